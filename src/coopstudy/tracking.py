@@ -1,0 +1,342 @@
+"""The one MLflow writer, and the names that make up the study's record.
+
+Every tag, param, metric and artifact name the project writes is a constant
+here; analysis imports them instead of spelling them again. Stages open a run
+with `stage_run(...)` and write through the `Recorder` it yields; a process
+that joins an existing run (a rank of the compressed arm) uses
+`Recorder(run_id)` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from coopstudy import config as config_mod
+from coopstudy.errors import UserError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+REMOTE_FILE = PROJECT_ROOT / "mlruns_remote.txt"
+DEFAULT_EXPERIMENT = "coopstudy"
+# The run id that `mlflow run` hands its entry point. mlflow.start_run()
+# removes it from the environment, so it is read once, at import.
+_PROJECT_RUN_ID = os.environ.get("MLFLOW_RUN_ID")
+# A run id a parent process hands to the processes it starts (ranks, probes).
+ENV_RUN_ID = "COOPSTUDY_RUN_ID"
+
+# --- tags: every run -------------------------------------------------------
+TAG_STAGE = "coopstudy.stage"
+TAG_PRESET = "coopstudy.preset"
+TAG_ARM = "coopstudy.arm"
+TAG_GIT_COMMIT = "coopstudy.git_commit"
+TAG_CONFIG_SHA = "coopstudy.config_sha256"
+TAG_PLAN = "coopstudy.plan_sha256"
+TAG_ERROR = "coopstudy.error"
+TAG_ERROR_KIND = "coopstudy.error_kind"
+TAG_COMMITMENT_PREFIX = "coopstudy.commitment."
+"""+ ledger kind: the digest that the run committed to the ledger."""
+TAG_REQUIRES_PREFIX = "coopstudy.requires."
+"""+ ledger kind: the digest of a commitment the run checked before starting."""
+
+# --- stages ----------------------------------------------------------------
+STAGE_PREPARE = "prepare"
+STAGE_VERIFY = "verify"
+STAGE_PROBE = "probe"
+STAGE_PLAN = "plan"
+STAGE_TRAIN = "train"
+STAGE_SELECT = "select"
+STAGE_EVALUATE = "evaluate"
+STAGE_REPORT = "report"
+STAGE_STUDY = "study"
+STAGE_BENCH = "bench"
+
+# --- artifacts: every run --------------------------------------------------
+ART_CONFIG = "config.yaml"
+ART_ERROR = "error.txt"
+
+# --- prepare ---------------------------------------------------------------
+TAG_INPUTS = "coopstudy.inputs_sha256"
+"""On the prepare run: the sha256 of the manifest that names every prepared file."""
+TAG_SEED_SHA = "coopstudy.seed_weights_sha256"
+PARAM_SEED_PARAMETERS = "seed.parameters"
+ART_MANIFEST = "manifest.json"
+M_PREPARE_SECONDS = "prepare/seconds"
+M_PREPARE_TRUNCATED = "prepare/truncated_documents"
+M_PREPARE_TRUNCATED_TOKENS = "prepare/truncated_tokens"
+M_SEED_PARAMETERS = "seed/parameters"
+
+# --- verify (the equivalence gate) ------------------------------------------
+ART_GATE_RECEIPT = "gate_receipt.json"
+TAG_GATE = "coopstudy.gate_sha256"
+M_GATE_MAX_REL_ERROR = "gate/max_rel_error"
+
+# --- train: per update (step = update number, from 1) -----------------------
+M_LOSS = "train/loss"
+M_GRAD_NORM = "train/grad_norm"
+M_LR = "train/lr"
+M_UPDATE_SECONDS = "train/update_seconds"
+M_TOKENS = "train/tokens"
+M_BYTES = "train/bytes"
+# --- train: per run ---------------------------------------------------------
+M_ACTIVE_SECONDS = "time/active_seconds"
+M_COMPLETE_SECONDS = "time/complete_seconds"
+M_CHECKPOINT_SECONDS = "time/checkpoint_seconds"
+M_DEVICE_SECONDS = "time/device_seconds"
+M_BYTES_DENSE = "bytes/dense_total"
+M_BYTES_COMPRESSED = "bytes/compressed_total"
+M_BYTES_TOTAL = "bytes/total"
+M_PEAK_RSS_MB = "memory/peak_rss_mb"
+M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"
+M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
+M_COST_USD = "cost/spent_usd"
+TAG_CHECKPOINT_SHA = "coopstudy.checkpoint_sha256"
+ART_CHECKPOINT = "checkpoint"
+ART_TRAIN_SUMMARY = "train_summary.json"
+
+# --- select / evaluate ------------------------------------------------------
+TAG_CANDIDATE_PREFIX = "coopstudy.candidate."
+"""+ arm: the sha256 of that arm's selected final weights."""
+TAG_MODEL = "coopstudy.model"
+"""On an evaluation run: seed, control or compressed."""
+M_ACCURACY = "eval/accuracy"
+M_ACCURACY_PREFIX = "eval/accuracy/"
+"""+ family."""
+M_RETENTION_NLL = "eval/retention_nll"
+ART_TEST_TABLE = "test_cases.json"
+ART_RETENTION_TABLE = "retention.json"
+
+# --- report -----------------------------------------------------------------
+ART_REPORT_JSON = "report.json"
+ART_REPORT_MD = "report.md"
+ART_REPORT_HTML = "report.html"
+
+
+def _uri_from_file(path: Path = REMOTE_FILE) -> str | None:
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line
+    return None
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else mlruns_remote.txt, else MLflow's local default."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or _uri_from_file()
+    if uri:
+        parts = urlsplit(uri)
+        if parts.username or parts.password:
+            raise UserError(
+                "tracking URI carries credentials; remove them and set MLFLOW_TRACKING_USERNAME "
+                "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
+            )
+        return uri
+    import mlflow
+
+    return mlflow.get_tracking_uri()
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
+    client = _client()
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:
+        # Another process created it first.
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def config_sha256(cfg: config_mod.Config) -> str:
+    return hashlib.sha256(config_mod.to_yaml(cfg).encode()).hexdigest()
+
+
+class Recorder:
+    """Writes to one run by id; safe to use from any process."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._client = _client()
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        if tags:
+            self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)) for k, v in params.items()]
+        # MLflow takes at most 100 params per batch.
+        for i in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        """One batched call, however many metrics."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if batch:
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._client.log_text(self.run_id, text, artifact_file)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        self.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows as an MLflow table (shown in the UI's evaluation view)."""
+        columns: dict[str, list[Any]] = {}
+        for row in rows:
+            for key in row:
+                columns.setdefault(key, [])
+        for row in rows:
+            for key, col in columns.items():
+                col.append(row.get(key))
+        self._client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+
+    def log_inputs(self, files: Mapping[str, tuple[str, str]], context: str = "training") -> None:
+        """Prepared files as MLflow dataset inputs: name -> (sha256 digest, source path)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [
+            DatasetInput(
+                dataset=Dataset(name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": src, "sha256": digest})),
+                tags=[InputTag(key="mlflow.data.context", value=context)],
+            )
+            for name, (digest, src) in files.items()
+        ]
+        self._client.log_inputs(self.run_id, datasets=inputs)
+
+    def record_commitment(self, kind: str, digest: str) -> None:
+        self.set_tags({TAG_COMMITMENT_PREFIX + kind: digest})
+
+
+def _base_tags(stage: str, cfg: config_mod.Config | None, arm: str | None) -> dict[str, str]:
+    tags = {TAG_STAGE: stage}
+    if cfg is not None:
+        tags[TAG_PRESET] = cfg.preset
+        tags[TAG_CONFIG_SHA] = config_sha256(cfg)
+    if arm:
+        tags[TAG_ARM] = arm
+    commit = git_commit()
+    if commit:
+        tags[TAG_GIT_COMMIT] = commit
+    return tags
+
+
+@contextlib.contextmanager
+def stage_run(
+    stage: str,
+    cfg: config_mod.Config | None,
+    *,
+    run_name: str | None = None,
+    arm: str | None = None,
+    tags: Mapping[str, Any] | None = None,
+    log_config: bool = True,
+) -> Iterator[Recorder]:
+    """One tracked run of one stage.
+
+    It becomes the run that `mlflow run` created for this entry point when there
+    is one and nothing else is open, a child of the open run otherwise, and a
+    new top-level run elsewhere. It ends FINISHED on success and FAILED on any
+    exception, with the error kept as a tag and an artifact.
+    """
+    import mlflow
+
+    global _PROJECT_RUN_ID
+    mlflow.set_tracking_uri(tracking_uri())
+    exp_name = cfg.experiment if cfg is not None else DEFAULT_EXPERIMENT
+    exp_id = experiment_id(exp_name)
+    parent = mlflow.active_run()
+    adopt = _PROJECT_RUN_ID if parent is None else None
+    _PROJECT_RUN_ID = None
+    name = run_name or "-".join(p for p in (stage, arm, cfg.preset if cfg else None) if p)
+    active = mlflow.start_run(
+        run_id=adopt,
+        experiment_id=None if adopt else exp_id,
+        run_name=None if adopt else name,
+        nested=parent is not None,
+    )
+    rec = Recorder(active.info.run_id)
+    try:
+        all_tags = _base_tags(stage, cfg, arm) | {k: str(v) for k, v in (tags or {}).items()}
+        if adopt:
+            all_tags["mlflow.runName"] = name
+        rec.set_tags(all_tags)
+        if cfg is not None and log_config:
+            rec.log_params(config_mod.flatten(cfg))
+            rec.log_text(config_mod.to_yaml(cfg), ART_CONFIG)
+        yield rec
+    except BaseException as err:
+        _record_failure(rec, err)
+        mlflow.end_run("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        raise
+    else:
+        mlflow.end_run("FINISHED")
+
+
+def _record_failure(rec: Recorder, err: BaseException) -> None:
+    try:
+        rec.set_tags({TAG_ERROR: str(err)[:4000] or type(err).__name__, TAG_ERROR_KIND: type(err).__name__})
+        rec.log_text("".join(traceback.format_exception(err)), ART_ERROR)
+    except Exception:  # noqa: BLE001 - the original error matters more than the record of it
+        pass
+
+
+def end_run_failed(run_id: str, err: BaseException | str) -> None:
+    """Mark a run that another process owned as FAILED, keeping the error."""
+    rec = Recorder(run_id)
+    if isinstance(err, BaseException):
+        _record_failure(rec, err)
+    else:
+        rec.set_tags({TAG_ERROR: err[:4000]})
+    rec._client.set_terminated(run_id, "FAILED")
+
+
+def download_artifact(run_id: str, artifact_path: str, dst: str | Path | None = None) -> Path:
+    from mlflow.artifacts import download_artifacts
+
+    dst = dst or tempfile.mkdtemp(prefix="coopstudy-")
+    return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=tracking_uri()))

@@ -1,0 +1,39 @@
+"""Every test runs against its own tracking store and workspace, so tests
+never see each other's runs or the user's record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def isolated_store(tmp_path_factory, monkeypatch):
+    base = tmp_path_factory.mktemp("store")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
+    monkeypatch.setenv("COOPSTUDY_HOME", str(base / "home"))
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    return base
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m coopstudy ARGS` as a user runs it, in the test's store."""
+    return subprocess.run(
+        [sys.executable, "-m", "coopstudy", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli
