@@ -4,6 +4,7 @@ never see each other's runs or the user's record."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Session fixtures that prepare the tiny study's inputs once.
+pytest_plugins = ["fixtures_prepare"]
+
+
+@pytest.fixture(scope="session")
+def _migrated_db(tmp_path_factory) -> Path:
+    # Creating an MLflow SQLite store runs its schema migrations (seconds);
+    # do it once and give each test a copy.
+    import mlflow
+
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
 
 @pytest.fixture(autouse=True)
-def isolated_store(tmp_path_factory, monkeypatch):
+def isolated_store(tmp_path_factory, monkeypatch, _migrated_db):
     base = tmp_path_factory.mktemp("store")
+    shutil.copy(_migrated_db, base / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
     monkeypatch.setenv("COOPSTUDY_HOME", str(base / "home"))
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

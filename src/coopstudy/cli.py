@@ -29,7 +29,9 @@ def _step_module(name: str):
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI, or with `only`, just that step's sub-parser: a step then
+    imports no other step's module (some import torch at the top)."""
     parser = argparse.ArgumentParser(
         prog="coopstudy",
         description=(
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="step", metavar="STEP", required=True)
-    for name in STEPS:
+    for name in STEPS if only is None else (only,):
         module = _step_module(name)
         if module is None:
             continue
@@ -72,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    named = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(named if named in STEPS else None)
     args = parser.parse_args(argv)
     try:
         # MLproject passes all overrides as one word, or an empty one.

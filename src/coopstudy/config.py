@@ -66,6 +66,8 @@ class DataConfig(_Section):
     test_per_family: int = PositiveInt
     test_seed: int = 9_000_000
     """Far from generation_seed: reasoning-gym seeds item i with seed + i."""
+    family_options: dict[str, dict[str, Any]] = {}
+    """reasoning-gym config overrides per family; the family's default config otherwise."""
     replay_docs: int = NonNegInt
     retention_docs: int = PositiveInt
     replay_source: str = "pydoc"

@@ -10,6 +10,7 @@ that joins an existing run (a rank of the compressed arm) uses
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -60,6 +61,12 @@ STAGE_REPORT = "report"
 STAGE_STUDY = "study"
 STAGE_BENCH = "bench"
 
+# --- study: step reuse -------------------------------------------------------
+TAG_STEP_KEY = "coopstudy.step_key"
+"""sha256 of a step's config, sources and upstream steps; equal key: reusable run."""
+M_STUDY_SECONDS = "study/seconds"
+ART_STEP_KEYS = "step_keys.json"
+
 # --- artifacts: every run --------------------------------------------------
 ART_CONFIG = "config.yaml"
 ART_ERROR = "error.txt"
@@ -74,11 +81,60 @@ M_PREPARE_SECONDS = "prepare/seconds"
 M_PREPARE_TRUNCATED = "prepare/truncated_documents"
 M_PREPARE_TRUNCATED_TOKENS = "prepare/truncated_tokens"
 M_SEED_PARAMETERS = "seed/parameters"
+TAG_INPUTS_KEY = "coopstudy.inputs_key"
+"""On the prepare run: the ledger subject of its inputs commitment (data.inputs_key)."""
+M_PREPARE_SEED_SECONDS = "prepare/seed_seconds"
+M_PREPARE_BUILD_SECONDS = "prepare/build_seconds"
+M_PREPARE_TEST_DROPPED = "prepare/test_dropped"
+M_PREPARE_TRAIN_TOKENS = "prepare/train_tokens"
 
 # --- verify (the equivalence gate) ------------------------------------------
 ART_GATE_RECEIPT = "gate_receipt.json"
 TAG_GATE = "coopstudy.gate_sha256"
 M_GATE_MAX_REL_ERROR = "gate/max_rel_error"
+
+# --- probe (a parent run per sweep, a child run per candidate) ----------------
+TAG_PROBE_SETTING = "coopstudy.probe.setting"
+"""On a candidate run: <arm>-mb<microbatch>-<allocator>, also its receipt's file name."""
+TAG_PROBE_OUTCOME = "coopstudy.probe.outcome"
+"""completed, out_of_memory or error."""
+TAG_PROBE_RECEIPT = "coopstudy.probe.receipt_sha256"
+ART_PROBE_RECEIPT = "probe_receipt.json"
+ART_PROBE_RANK_PREFIX = "probe_ranks/rank"
+"""+ rank + .json: what one training process of a candidate measured, written by that process."""
+ART_PROBE_RECEIPTS = "probe_receipts.json"
+"""On the parent: every candidate's receipt, in sweep order."""
+ART_PROBE_CHOICE = "probe_choice.json"
+"""On the parent: per arm and allocator, the largest microbatch that completed and its median."""
+M_PROBE_MEDIAN_SECONDS = "probe/median_update_seconds"
+M_PROBE_COMPLETED = "probe/completed"
+M_PROBE_FAILED = "probe/failed"
+M_CUDA_ALLOC_RETRIES = "memory/cuda_alloc_retries"
+M_CUDA_RESERVED_UNALLOCATED_MB = "memory/cuda_reserved_unallocated_mb"
+"""Reserved by the caching allocator but not allocated, when the candidate failed."""
+
+# --- plan ---------------------------------------------------------------------
+ART_PLAN = "plan.json"
+M_PLAN_SECONDS_PREFIX = "plan/projected_seconds/"
+"""+ arm: the plan's projection of that arm's complete seconds."""
+M_PLAN_COST_PREFIX = "plan/projected_cost_usd/"
+"""+ arm."""
+M_PROJECTED_SECONDS = "time/projected_seconds"
+"""On a train arm run: the plan's projection for this arm."""
+M_PROJECTED_COST_USD = "cost/projected_usd"
+M_SPENT_BEFORE_USD = "cost/spent_before_usd"
+"""On a train arm run: what the plan had spent (probes and earlier train runs) when it started."""
+
+# --- bench objective (python -m coopstudy.bench objective) -------------------
+M_BENCH_BATCHED_MS = "bench/batched_ms_per_update"
+M_BENCH_REFERENCE_MS = "bench/reference_ms_per_update"
+M_BENCH_SPEEDUP = "bench/speedup"
+"""Per-document ms / batched ms."""
+M_BENCH_LOSS_REL_GAP = "bench/loss_max_rel_gap"
+M_BENCH_PADDING_PREFIX = "bench/padding_efficiency/"
+"""+ sorted|unsorted + / + arm: real tokens / computed tokens over the whole schedule."""
+TAG_BENCH_DOCUMENTS = "coopstudy.bench_documents"
+ART_BENCH_TABLE = "bench_objective.json"
 
 # --- train: per update (step = update number, from 1) -----------------------
 M_LOSS = "train/loss"
@@ -100,8 +156,14 @@ M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"
 M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
 M_COST_USD = "cost/spent_usd"
 TAG_CHECKPOINT_SHA = "coopstudy.checkpoint_sha256"
+TAG_CHECKPOINT_PATH = "coopstudy.checkpoint_path"
+"""The final checkpoint's directory on local disk (HF format); select re-hashes it."""
 ART_CHECKPOINT = "checkpoint"
 ART_TRAIN_SUMMARY = "train_summary.json"
+TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
+"""+ rank: the error a training process hit (the run's own error tag says what the stage saw)."""
+ART_WORKER_ERROR_PREFIX = "worker_errors/rank"
+"""+ rank + .txt: that process's traceback."""
 
 # --- select / evaluate ------------------------------------------------------
 TAG_CANDIDATE_PREFIX = "coopstudy.candidate."
@@ -114,11 +176,23 @@ M_ACCURACY_PREFIX = "eval/accuracy/"
 M_RETENTION_NLL = "eval/retention_nll"
 ART_TEST_TABLE = "test_cases.json"
 ART_RETENTION_TABLE = "retention.json"
+TAG_CANDIDATE_RUN_PREFIX = "coopstudy.candidate_run."
+"""+ arm: the train run whose final checkpoint is that arm's candidate."""
+TAG_SELECT_RUN = "coopstudy.select_run_id"
+"""On an evaluate run: the select run that committed the candidates it scored."""
+M_TEST_CASES = "eval/test_cases"
+M_GENERATE_SECONDS = "eval/generate_seconds"
+M_GENERATE_ITEMS_PER_SECOND = "eval/generate_items_per_second"
+M_EVAL_THREADS = "eval/threads"
 
 # --- report -----------------------------------------------------------------
 ART_REPORT_JSON = "report.json"
 ART_REPORT_MD = "report.md"
 ART_REPORT_HTML = "report.html"
+TAG_VERDICT_PREFIX = "coopstudy.verdict."
+"""+ quality, speed or a screen's name: pass or fail."""
+M_SCREEN_PREFIX = "screen/"
+"""+ screen name + /estimate, /bound (the limit the verdict used, if any) or /passed (1 or 0)."""
 
 
 def _uri_from_file(path: Path = REMOTE_FILE) -> str | None:
@@ -132,7 +206,8 @@ def _uri_from_file(path: Path = REMOTE_FILE) -> str | None:
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else mlruns_remote.txt, else MLflow's local default."""
+    """MLFLOW_TRACKING_URI, else mlruns_remote.txt, else MLflow's local default
+    (an SQLite file, mlflow.db, in the project folder)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or _uri_from_file()
     if uri:
         parts = urlsplit(uri)
@@ -142,9 +217,9 @@ def tracking_uri() -> str:
                 "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
             )
         return uri
-    import mlflow
-
-    return mlflow.get_tracking_uri()
+    # MLflow's own default is SQLite in the working directory; pinning it to the
+    # project folder keeps one record whatever directory a step starts from.
+    return f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
 
 
 def _client():
@@ -180,6 +255,15 @@ def git_commit() -> str | None:
 
 def config_sha256(cfg: config_mod.Config) -> str:
     return hashlib.sha256(config_mod.to_yaml(cfg).encode()).hexdigest()
+
+
+def search_runs(experiment: str, filter_string: str, order_by: tuple[str, ...] = ("attributes.start_time DESC",)) -> list:
+    """Runs of the experiment matching an MLflow filter, newest first (read only)."""
+    client = _client()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return list(client.search_runs([exp.experiment_id], filter_string, order_by=list(order_by), max_results=1000))
 
 
 class Recorder:
@@ -253,6 +337,20 @@ class Recorder:
         self.set_tags({TAG_COMMITMENT_PREFIX + kind: digest})
 
 
+# Tags for the next run a stage opens, set by a caller that wraps the stage
+# (the study sets the step key this way without every stage knowing of it).
+_pending_tags: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("pending_tags", default={})
+
+
+@contextlib.contextmanager
+def tags_for_next_run(tags: Mapping[str, str]) -> Iterator[None]:
+    token = _pending_tags.set(dict(tags))
+    try:
+        yield
+    finally:
+        _pending_tags.reset(token)
+
+
 def _base_tags(stage: str, cfg: config_mod.Config | None, arm: str | None) -> dict[str, str]:
     tags = {TAG_STAGE: stage}
     if cfg is not None:
@@ -292,6 +390,9 @@ def stage_run(
     parent = mlflow.active_run()
     adopt = _PROJECT_RUN_ID if parent is None else None
     _PROJECT_RUN_ID = None
+    # start_run(run_id=...) leaves MLFLOW_RUN_ID set, and every later
+    # start_run() would resume the project run instead of opening a child.
+    os.environ.pop("MLFLOW_RUN_ID", None)
     name = run_name or "-".join(p for p in (stage, arm, cfg.preset if cfg else None) if p)
     active = mlflow.start_run(
         run_id=adopt,
@@ -301,7 +402,8 @@ def stage_run(
     )
     rec = Recorder(active.info.run_id)
     try:
-        all_tags = _base_tags(stage, cfg, arm) | {k: str(v) for k, v in (tags or {}).items()}
+        all_tags = _base_tags(stage, cfg, arm) | _pending_tags.get() | {k: str(v) for k, v in (tags or {}).items()}
+        _pending_tags.set({})
         if adopt:
             all_tags["mlflow.runName"] = name
         rec.set_tags(all_tags)

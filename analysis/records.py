@@ -1,0 +1,324 @@
+"""The record of one study, read back from MLflow into tidy tables.
+
+Only reads: run search, metric histories and table artifacts. One study is the
+set of runs that carry one plan sha (`--plan`) or, before a plan exists, one
+config sha. Of the selection and of each evaluated model the newest FINISHED
+run counts; of each train arm, the run whose weights the selection names (the
+newest FINISHED one where it names none). Every row of every table keeps the
+run id it came from, so each number in the report traces back to its run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from coopstudy import tracking
+from coopstudy.config import Config
+from coopstudy.errors import RefusedError, UserError
+
+ARMS = ("control", "compressed")
+MODELS = ("seed", "control", "compressed")
+
+# Tidy column -> tracked metric name; the tables speak the analysis' names,
+# the store speaks tracking's.
+UPDATE_METRICS = {
+    "loss": tracking.M_LOSS,
+    "grad_norm": tracking.M_GRAD_NORM,
+    "lr": tracking.M_LR,
+    "update_seconds": tracking.M_UPDATE_SECONDS,
+    "tokens": tracking.M_TOKENS,
+    "bytes": tracking.M_BYTES,
+}
+RUN_METRICS = {
+    "active_seconds": tracking.M_ACTIVE_SECONDS,
+    "complete_seconds": tracking.M_COMPLETE_SECONDS,
+    "checkpoint_seconds": tracking.M_CHECKPOINT_SECONDS,
+    "device_seconds": tracking.M_DEVICE_SECONDS,
+    "bytes_dense": tracking.M_BYTES_DENSE,
+    "bytes_compressed": tracking.M_BYTES_COMPRESSED,
+    "bytes_total": tracking.M_BYTES_TOTAL,
+    "peak_rss_mb": tracking.M_PEAK_RSS_MB,
+    "cost_usd": tracking.M_COST_USD,
+}
+# The speed screens cannot be computed without these; the rest are reported
+# beside the screens and may be absent (an arm that transmits nothing).
+REQUIRED_RUN_METRICS = ("active_seconds", "complete_seconds")
+CASE_COLUMNS = ("case_id", "family", "score")
+RETENTION_COLUMNS = ("doc_id", "tokens", "nll_sum", "mean_nll")
+
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class StudyKey:
+    """The tag that groups one study's runs, and its value."""
+
+    tag: str
+    value: str
+
+    @property
+    def kind(self) -> str:
+        return "plan" if self.tag == tracking.TAG_PLAN else "config"
+
+    @property
+    def folder(self) -> str:
+        """A short, stable folder name for this study's report."""
+        return f"{self.kind}-{self.value[:12]}"
+
+    def __str__(self) -> str:
+        return f"{self.kind} sha {self.value}"
+
+
+def study_key(cfg: Config, plan: str | None) -> StudyKey:
+    if plan is None:
+        return StudyKey(tracking.TAG_CONFIG_SHA, tracking.config_sha256(cfg))
+    plan = plan.strip().lower()
+    # The value goes into a search filter: only hex digits may pass.
+    if not _SHA.match(plan):
+        raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits)")
+    return StudyKey(tracking.TAG_PLAN, plan)
+
+
+@dataclass(frozen=True)
+class Records:
+    """One study's record as tidy tables."""
+
+    key: StudyKey
+    plan: str | None
+    """The plan sha the runs carry, once a plan step has tagged them."""
+    runs: dict[str, str]
+    """Role ('train/control', 'select', 'evaluate/seed', ...) -> run id."""
+    candidates: dict[str, str]
+    """Arm -> sha256 of the final weights the select run committed."""
+    updates: pd.DataFrame
+    """One row per arm and update: arm, run_id, update, and UPDATE_METRICS' columns."""
+    train: pd.DataFrame
+    """One row per arm: arm, run_id, and RUN_METRICS' columns (NaN when not logged)."""
+    cases: pd.DataFrame
+    """One row per model and test case: model, run_id, case_id, family, score, correct."""
+    retention: pd.DataFrame
+    """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
+
+
+def train_role(arm: str) -> str:
+    return f"train/{arm}"
+
+
+def evaluate_role(model: str) -> str:
+    return f"evaluate/{model}"
+
+
+SELECT_ROLE = "select"
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking.tracking_uri())
+
+
+def _newest_finished(experiment: str, tags: dict[str, str]):
+    flt = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"])
+    found = tracking.search_runs(experiment, flt)
+    return found[0] if found else None
+
+
+def _selected_train_run(client, run_id: str, arm: str, key: StudyKey):
+    run = client.get_run(run_id)
+    if run.info.status != "FINISHED" or run.data.tags.get(key.tag) != key.value:
+        raise RefusedError(f"the select run names train run {run_id} for arm {arm}, but it is {run.info.status}, not a FINISHED run under {key}")
+    return run
+
+
+def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
+    """The run of each role, or a refusal naming every missing one."""
+    base = {key.tag: key.value}
+    runs: dict[str, Any] = {}
+    missing: list[str] = []
+
+    def newest(role: str, tags: dict[str, str], what: str) -> None:
+        run = _newest_finished(experiment, base | tags)
+        if run is None:
+            missing.append(f"no FINISHED {what}")
+        else:
+            runs[role] = run
+
+    newest(SELECT_ROLE, {tracking.TAG_STAGE: tracking.STAGE_SELECT}, "select run")
+    for arm in ARMS:
+        # The train run whose weights were selected, and so evaluated, is the
+        # one to time: a later rerun of that arm is evidence, not the result.
+        chosen = runs[SELECT_ROLE].data.tags.get(tracking.TAG_CANDIDATE_RUN_PREFIX + arm) if SELECT_ROLE in runs else None
+        if chosen:
+            runs[train_role(arm)] = _selected_train_run(client, chosen, arm, key)
+        else:
+            newest(train_role(arm), {tracking.TAG_STAGE: tracking.STAGE_TRAIN, tracking.TAG_ARM: arm}, f"train run for arm {arm}")
+    for model in MODELS:
+        newest(
+            evaluate_role(model),
+            {tracking.TAG_STAGE: tracking.STAGE_EVALUATE, tracking.TAG_MODEL: model},
+            f"evaluate run for model {model}",
+        )
+    if missing:
+        raise RefusedError(f"under {key} in experiment {experiment!r}: {'; '.join(missing)}; run those steps first")
+    return runs
+
+
+def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
+    """Each evaluated model must be the selected one (and the seed the one both arms started from)."""
+    expected = dict(candidates)
+    seeds = {run.data.tags.get(tracking.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
+    if len(seeds) == 1 and None not in seeds:
+        expected["seed"] = seeds.pop()
+    for model, sha in expected.items():
+        run = runs[evaluate_role(model)]
+        scored = run.data.tags.get(tracking.TAG_CHECKPOINT_SHA)
+        if scored is not None and scored != sha:
+            raise RefusedError(
+                f"evaluate run {run.info.run_id} scored {model} weights {scored[:12]}, not the committed {sha[:12]}; evaluate again"
+            )
+
+
+def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
+    """The screens' thresholds come from the report's config, so it must be the study's."""
+    own = tracking.config_sha256(cfg)
+    for role, run in runs.items():
+        sha = run.data.tags.get(tracking.TAG_CONFIG_SHA)
+        if sha != own:
+            raise RefusedError(
+                f"{role} run {run.info.run_id} was made with config sha {sha}, this report's config is {own}; "
+                "call report with the study's preset and overrides"
+            )
+
+
+def _plan_of(runs: dict[str, Any], key: StudyKey) -> str | None:
+    plans = sorted({p for run in runs.values() if (p := run.data.tags.get(tracking.TAG_PLAN))})
+    if len(plans) > 1:
+        raise RefusedError(f"under {key} the newest runs belong to {len(plans)} plans ({', '.join(plans)}); choose one with --plan")
+    return plans[0] if plans else None
+
+
+def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
+    columns: dict[str, dict[int, float]] = {}
+    for column, metric in UPDATE_METRICS.items():
+        # Were a step logged twice, the value MLflow itself calls latest wins
+        # (newest timestamp, then largest value), whatever order the store returns.
+        history = sorted(client.get_metric_history(run_id, metric), key=lambda m: (m.timestamp, m.value))
+        columns[column] = {m.step: m.value for m in history}
+    frame = pd.DataFrame(columns).rename_axis("update").sort_index().reset_index()
+    if frame.empty:
+        raise RefusedError(f"train run {run_id} (arm {arm}) has no per-update metrics ({tracking.M_LOSS})")
+    frame.insert(0, "run_id", run_id)
+    frame.insert(0, "arm", arm)
+    return frame
+
+
+def _train_row(arm: str, run) -> dict[str, Any]:
+    metrics = run.data.metrics
+    missing = [RUN_METRICS[c] for c in REQUIRED_RUN_METRICS if RUN_METRICS[c] not in metrics]
+    if missing:
+        raise RefusedError(f"train run {run.info.run_id} (arm {arm}) lacks {', '.join(missing)}")
+    return {"arm": arm, "run_id": run.info.run_id} | {c: metrics.get(m, float("nan")) for c, m in RUN_METRICS.items()}
+
+
+def _read_table(run_id: str, artifact: str, columns: tuple[str, ...], what: str) -> pd.DataFrame:
+    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
+        try:
+            path = tracking.download_artifact(run_id, artifact, tmp)
+        except Exception as err:  # noqa: BLE001 - any store error means the same thing here
+            raise RefusedError(f"{what} run {run_id} has no artifact {artifact} ({type(err).__name__})") from None
+        raw = json.loads(path.read_text())
+    # MLflow tables are {"columns": [...], "data": [[...], ...]}.
+    frame = pd.DataFrame(raw["data"], columns=raw["columns"])
+    absent = [c for c in columns if c not in frame.columns]
+    if absent:
+        raise RefusedError(f"{what} run {run_id}: {artifact} lacks column(s) {', '.join(absent)}")
+    return frame
+
+
+def _case_table(model: str, run_id: str) -> pd.DataFrame:
+    what = f"evaluate (model {model})"
+    frame = _read_table(run_id, tracking.ART_TEST_TABLE, CASE_COLUMNS, what)
+    # The pre-registered rule: correct means the verifier gave full credit.
+    # Partial credit (0.5) is not correct, whatever else the table says.
+    correct = frame["score"].astype(float) >= 1.0
+    if "correct" in frame.columns and not (frame["correct"].astype(bool) == correct).all():
+        bad = int((frame["correct"].astype(bool) != correct).sum())
+        raise RefusedError(f"{what} run {run_id}: {bad} case(s) marked correct without a score of 1.0, or the reverse")
+    if frame["case_id"].duplicated().any():
+        raise RefusedError(f"{what} run {run_id}: {tracking.ART_TEST_TABLE} repeats case ids")
+    out = frame[list(CASE_COLUMNS)].assign(correct=correct)
+    out.insert(0, "run_id", run_id)
+    out.insert(0, "model", model)
+    return out
+
+
+def _retention_table(model: str, run_id: str) -> pd.DataFrame:
+    what = f"evaluate (model {model})"
+    frame = _read_table(run_id, tracking.ART_RETENTION_TABLE, RETENTION_COLUMNS, what)
+    if frame["doc_id"].duplicated().any():
+        raise RefusedError(f"{what} run {run_id}: {tracking.ART_RETENTION_TABLE} repeats document ids")
+    out = frame[list(RETENTION_COLUMNS)].copy()
+    out.insert(0, "run_id", run_id)
+    out.insert(0, "model", model)
+    return out
+
+
+def _check_paired(frame: pd.DataFrame, id_column: str, what: str) -> None:
+    """Pairing needs every model scored on the same items (and, for NLL, the same tokens)."""
+    ids = {model: set(group[id_column]) for model, group in frame.groupby("model")}
+    reference = ids[MODELS[0]]
+    for model, found in ids.items():
+        if found != reference:
+            raise RefusedError(
+                f"{what}: model {model} was scored on {len(found)} items, seed on {len(reference)}, "
+                f"{len(found ^ reference)} not shared; the models must be scored on the same set"
+            )
+    if id_column == "doc_id":
+        tokens = frame.pivot(index="doc_id", columns="model", values="tokens")
+        if not tokens.eq(tokens[MODELS[0]], axis=0).all().all():
+            raise RefusedError(f"{what}: the models were scored on different token counts for the same documents")
+
+
+def load(cfg: Config, plan: str | None = None) -> Records:
+    """The study's record; refuses when a role's run is missing or inconsistent."""
+    key = study_key(cfg, plan)
+    client = _client()
+    runs = _find_runs(client, cfg.experiment, key)
+    _check_one_study(runs, cfg)
+    plan_sha = _plan_of(runs, key)
+
+    select = runs[SELECT_ROLE]
+    candidates = {}
+    for arm in ARMS:
+        sha = select.data.tags.get(tracking.TAG_CANDIDATE_PREFIX + arm)
+        if not sha:
+            raise RefusedError(f"select run {select.info.run_id} commits no candidate for arm {arm}")
+        candidates[arm] = sha
+    _check_weights(runs, candidates)
+
+    train_runs = {arm: runs[train_role(arm)] for arm in ARMS}
+    updates = pd.concat([_update_table(client, arm, run.info.run_id) for arm, run in train_runs.items()], ignore_index=True)
+    train = pd.DataFrame([_train_row(arm, run) for arm, run in train_runs.items()])
+
+    eval_ids = {model: runs[evaluate_role(model)].info.run_id for model in MODELS}
+    cases = pd.concat([_case_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
+    retention = pd.concat([_retention_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
+    _check_paired(cases, "case_id", "final test")
+    _check_paired(retention, "doc_id", "retention probes")
+
+    return Records(
+        key=key,
+        plan=plan_sha,
+        runs={role: run.info.run_id for role, run in runs.items()},
+        candidates=candidates,
+        updates=updates,
+        train=train,
+        cases=cases,
+        retention=retention,
+    )

@@ -1,0 +1,395 @@
+"""The report: `report.json` (the record of the verdicts), `report.md` and an
+HTML page with plots.
+
+`build` turns the records and screens into one JSON-ready dict. It holds no
+timestamps and no id of the report's own run, so rebuilding it from the same
+tracking store gives the same bytes (`dumps`). The Markdown is written from
+that dict alone; the HTML adds plots drawn from the records' tables.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from typing import Any
+
+from analysis import screens as sc
+from analysis.records import MODELS, Records
+from coopstudy import tracking
+from coopstudy.config import Config
+
+SCHEMA = 1
+
+NO_DENSE_ARM = (
+    "There is no dense distributed arm: the bytes above are the compressed arm's own, by phase, "
+    "and are not set against any dense-communication figure."
+)
+DEVICE_SECONDS_NOTE = (
+    "Device-seconds are allocated devices x complete-process seconds; faster parallel execution "
+    "may hold more device time, not less."
+)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe and canonical: numpy scalars to Python, non-finite floats to None."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _training(records: Records) -> dict[str, Any]:
+    out = {}
+    for arm, group in records.updates.groupby("arm", sort=True):
+        group = group.sort_values("update")
+        out[str(arm)] = {
+            "run_id": str(group["run_id"].iloc[0]),
+            "updates": int(len(group)),
+            "first_loss": float(group["loss"].iloc[0]),
+            "final_loss": float(group["loss"].iloc[-1]),
+            "median_update_seconds": float(group["update_seconds"].median()),
+        }
+    return out
+
+
+def _accuracy(records: Records) -> dict[str, Any]:
+    table = sc.accuracy_by_family(records.cases)
+    out: dict[str, Any] = {}
+    for model in MODELS:
+        rows = table[table["model"] == model]
+        out[model] = {
+            "run_id": records.runs[f"evaluate/{model}"],
+            "families": {
+                str(r.family): {"cases": int(r.cases), "correct": int(r.correct), "accuracy": float(r.accuracy)}
+                for r in rows.itertuples()
+            },
+        }
+    return out
+
+
+def _retention_nll(records: Records) -> dict[str, Any]:
+    out = {}
+    for model in MODELS:
+        rows = records.retention[records.retention["model"] == model]
+        out[model] = {
+            "run_id": records.runs[f"evaluate/{model}"],
+            "documents": int(len(rows)),
+            "mean_over_documents": float(rows["mean_nll"].astype(float).mean()),
+            "token_weighted": float(rows["nll_sum"].astype(float).sum() / rows["tokens"].astype(float).sum()),
+        }
+    return out
+
+
+def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, Any]:
+    """Every screen's value, bound, threshold, method, verdict and run ids, and the figures beside."""
+    return _plain(
+        {
+            "schema": SCHEMA,
+            "study": {
+                "preset": cfg.preset,
+                "experiment": cfg.experiment,
+                "grouped_by": records.key.kind,
+                "key": records.key.value,
+                "plan_sha256": records.plan,
+                "config_sha256": tracking.config_sha256(cfg),
+            },
+            "runs": dict(sorted(records.runs.items())),
+            "candidates": dict(sorted(records.candidates.items())),
+            "thresholds": cfg.screens.model_dump(),
+            "verdicts": sc.verdicts(screens),
+            "screens": [s.to_dict() for s in screens],
+            "resources": sc.resources(records.train),
+            "training": _training(records),
+            "accuracy": _accuracy(records),
+            "retention_nll": _retention_nll(records),
+        }
+    )
+
+
+def dumps(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+# --- tables shared by Markdown, HTML and the terminal -----------------------
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == sc.POINTS:
+        return f"{value * 100:+.1f} pts"
+    if unit == sc.NATS:
+        return f"{value:+.4f} nats"
+    if unit == sc.RATIO:
+        return f"{value:.3f}x"
+    return f"{value:,.1f}"
+
+
+def _bracket(pair: list[float] | None, unit: str) -> str:
+    if pair is None:
+        return "n/a"
+    return f"[{fmt(pair[0], unit)}, {fmt(pair[1], unit)}]"
+
+
+def _screen_bounds(s: dict[str, Any]) -> str:
+    unit, d = s["unit"], s["details"]
+    if s["name"] in (sc.ACCURACY_GAIN, sc.NONINFERIORITY):
+        clears = ""
+        if s["name"] == sc.ACCURACY_GAIN:
+            clears = f"; Tango lower limit clears the threshold: {'yes' if d['tango_lower_clears_threshold'] else 'no'}"
+        return f"Tango {_bracket(s['interval'], unit)}, Newcombe {_bracket(d['newcombe_interval'], unit)}{clears}"
+    if s["name"] == sc.RETENTION:
+        return (
+            f"paired t upper bound {fmt(s['bound'], unit)}; token-weighted {fmt(d['token_weighted_estimate'], unit)} "
+            f"(clustered SE {d['token_weighted_se']:.4f}, upper {fmt(d['token_weighted_upper'], unit)})"
+        )
+    return f"control {d['control_seconds']:,.1f} s / compressed {d['compressed_seconds']:,.1f} s"
+
+
+def _rule(s: dict[str, Any]) -> str:
+    return f"{s['decided_on']} {s['comparison']} {fmt(s['threshold'], s['unit'])}"
+
+
+def screen_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["#", "screen", "estimate", "interval / bound (beside)", "rule", "verdict"]
+    rows = [
+        [str(i), s["title"], fmt(s["estimate"], s["unit"]), _screen_bounds(s), _rule(s), s["verdict"].upper()]
+        for i, s in enumerate(report["screens"], start=1)
+    ]
+    return headers, rows
+
+
+def _count(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    arms = report["resources"]["arms"]
+    lines = [
+        ("active seconds", "active_seconds", 1),
+        ("complete-process seconds", "complete_seconds", 1),
+        ("device-seconds", "device_seconds", 1),
+        ("checkpoint seconds", "checkpoint_seconds", 1),
+        ("bytes sent, dense phase", "bytes_dense", 0),
+        ("bytes sent, compressed phase", "bytes_compressed", 0),
+        ("bytes sent, total", "bytes_total", 0),
+        ("spent cost (USD)", "cost_usd", 2),
+        ("peak RSS (MB)", "peak_rss_mb", 0),
+    ]
+    rows = [[label, _count(arms["control"][key], d), _count(arms["compressed"][key], d)] for label, key, d in lines]
+    ratio = report["resources"]["device_seconds_ratio"]
+    rows.append(["device-seconds, compressed / control", "", "n/a" if ratio is None else f"{ratio:.3f}"])
+    return ["figure (decides nothing)", "control", "compressed"], rows
+
+
+def accuracy_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    acc = report["accuracy"]
+    families = sorted(acc[MODELS[0]]["families"], key=lambda f: (f == "all", f))
+    rows = []
+    for family in families:
+        cells = []
+        for model in MODELS:
+            f = acc[model]["families"][family]
+            cells.append(f"{f['accuracy'] * 100:.1f}% ({f['correct']}/{f['cases']})")
+        rows.append([family, *cells])
+    return ["family", *MODELS], rows
+
+
+def paired_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The 2x2 table of the non-inferiority test (compressed against control, by case)."""
+    counts = _screen(report, sc.NONINFERIORITY)["details"]["paired_table"]
+    return (
+        ["", "control correct", "control not correct"],
+        [
+            ["compressed correct", str(counts["both_correct"]), str(counts["only_compressed"])],
+            ["compressed not correct", str(counts["only_control"]), str(counts["neither"])],
+        ],
+    )
+
+
+def run_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = [[role, run_id] for role, run_id in report["runs"].items()]
+    rows += [[f"candidate weights, {arm}", sha] for arm, sha in report["candidates"].items()]
+    return ["role", "run id / sha256"], rows
+
+
+def _screen(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(s for s in report["screens"] if s["name"] == name)
+
+
+# --- Markdown ----------------------------------------------------------------
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
+
+
+def _title(report: dict[str, Any]) -> str:
+    study = report["study"]
+    return f"Study report: preset {study['preset']}, {study['grouped_by']} sha {study['key'][:12]}"
+
+
+def _verdict_line(report: dict[str, Any]) -> str:
+    v = report["verdicts"]
+    return f"Quality verdict: {v['quality'].upper()}. Speed verdict: {v['speed'].upper()}."
+
+
+def _methods(report: dict[str, Any]) -> list[str]:
+    return [
+        f"{i}. {s['title']}: {s['method']}. Inputs: "
+        + ", ".join(f"{role} {run_id}" for role, run_id in sorted(s["run_ids"].items()))
+        for i, s in enumerate(report["screens"], start=1)
+    ]
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    parts = [
+        f"# {_title(report)}",
+        f"**{_verdict_line(report)}** The quality verdict needs screens 1-3, the speed verdict screens 4-5.",
+        "## Screens (pre-registered)",
+        _md_table(*screen_rows(report)),
+        "### Methods and inputs",
+        "\n".join(_methods(report)),
+        "## Beside the screens",
+        _md_table(*resource_rows(report)),
+        DEVICE_SECONDS_NOTE + " " + NO_DENSE_ARM,
+        "## Accuracy per family",
+        _md_table(*accuracy_rows(report)),
+        "## Paired outcomes of the non-inferiority test",
+        _md_table(*paired_rows(report)),
+        "## Runs",
+        _md_table(*run_rows(report)),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+# --- HTML ----------------------------------------------------------------------
+
+def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def figures(records: Records, report: dict[str, Any]) -> dict[str, str]:
+    """Plot title -> base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, str] = {}
+    arms = ("control", "compressed")
+    updates = records.updates.sort_values(["arm", "update"])
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm in arms:
+        rows = updates[updates["arm"] == arm]
+        ax.plot(rows["update"], rows["loss"], marker=".", label=arm)
+    ax.set(xlabel="update", ylabel="loss (globally normalized)", title="Loss per update")
+    ax.legend()
+    out["Loss per update, both arms"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.boxplot([updates.loc[updates["arm"] == arm, "update_seconds"] for arm in arms], tick_labels=list(arms))
+    for i, arm in enumerate(arms, start=1):
+        values = updates.loc[updates["arm"] == arm, "update_seconds"]
+        ax.scatter([i] * len(values), values, s=8, alpha=0.5)
+    ax.set(ylabel="seconds", title="Seconds per update")
+    out["Update-seconds distributions"] = _png(fig)
+    plt.close(fig)
+
+    acc = sc.accuracy_by_family(records.cases)
+    families = sorted(acc["family"].unique(), key=lambda f: (f == "all", f))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(MODELS)
+    for j, model in enumerate(MODELS):
+        rows = acc[acc["model"] == model].set_index("family").reindex(families)
+        ax.bar([i + j * width for i in range(len(families))], rows["accuracy"] * 100, width, label=model)
+    ax.set_xticks([i + width * (len(MODELS) - 1) / 2 for i in range(len(families))], families)
+    ax.set(ylabel="accuracy (%)", ylim=(0, 100), title="Accuracy per family and model")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    out["Accuracy per family per model"] = _png(fig)
+    plt.close(fig)
+
+    headers, rows = paired_rows(report)
+    counts = [[int(c) for c in row[1:]] for row in rows]
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    ax.imshow(counts, cmap="Blues")
+    darkest = max(max(row) for row in counts)
+    for r in range(2):
+        for c in range(2):
+            ax.text(c, r, str(counts[r][c]), ha="center", va="center", color="white" if counts[r][c] > darkest / 2 else "black")
+    ax.set_xticks([0, 1], headers[1:])
+    ax.set_yticks([0, 1], [row[0] for row in rows])
+    ax.set_title("Paired outcomes, compressed vs control")
+    out["Paired outcome table of the non-inferiority test"] = _png(fig)
+    plt.close(fig)
+
+    diffs = sc.retention_differences(records.retention).sort_values("diff_mean")
+    ret = _screen(report, sc.RETENTION)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.scatter(range(len(diffs)), diffs["diff_mean"], s=10, label="document")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.axhline(ret["estimate"], color="C1", label="mean")
+    ax.axhline(ret["bound"], color="C2", ls="--", label="upper bound")
+    ax.axhline(ret["threshold"], color="C3", ls=":", label="threshold")
+    ax.set(xlabel="document (sorted)", ylabel="compressed - seed mean NLL (nats)", title="Retention NLL differences")
+    ax.legend(fontsize="small")
+    out["Retention NLL differences, per document"] = _png(fig)
+    plt.close(fig)
+    return out
+
+
+_CSS = (
+    "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+    "th{background:#f3f3f3}.pass{color:#1a7f37}.fail{color:#cf222e}img{max-width:100%}"
+)
+
+
+def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
+    v = report["verdicts"]
+    verdicts = " ".join(
+        f'<span class="{v[g]}">{html.escape(g)}: {v[g].upper()}</span>' for g in ("quality", "speed")
+    )
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_title(report))}</title>"
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(_title(report))}</h1>",
+        f"<p><strong>{verdicts}</strong></p>",
+        "<h2>Screens (pre-registered)</h2>",
+        _html_table(*screen_rows(report)),
+        "<h3>Methods and inputs</h3><ol>",
+        *(f"<li>{html.escape(m.split('. ', 1)[1])}</li>" for m in _methods(report)),
+        "</ol><h2>Beside the screens</h2>",
+        _html_table(*resource_rows(report)),
+        f"<p>{html.escape(DEVICE_SECONDS_NOTE)} {html.escape(NO_DENSE_ARM)}</p>",
+        "<h2>Accuracy per family</h2>",
+        _html_table(*accuracy_rows(report)),
+        "<h2>Paired outcomes of the non-inferiority test</h2>",
+        _html_table(*paired_rows(report)),
+        "<h2>Plots</h2>",
+        *(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>"
+          for title, data in plots.items()),
+        "<h2>Runs</h2>",
+        _html_table(*run_rows(report)),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,302 @@
+"""The pre-registered screens (STUDY.md, "The screens"), from tidy tables.
+
+Pure functions: the tables of `analysis.records` in, `Screen` results out, no
+I/O. Each result carries its estimate, the bound or interval its verdict rests
+on, the threshold, the method in words and the run ids of its inputs. The
+quality verdict needs all three quality screens, the speed verdict both speed
+screens; cost figures (`resources`) sit beside them and decide nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from analysis import stats
+from coopstudy.config import ScreensConfig
+
+QUALITY, SPEED = "quality", "speed"
+ACCURACY_GAIN = "accuracy_gain"
+RETENTION = "retention"
+NONINFERIORITY = "noninferiority"
+ACTIVE_SPEEDUP = "active_speedup"
+COMPLETE_SPEEDUP = "complete_speedup"
+
+# Units tell the report how to print a number: accuracy differences in
+# percentage points, NLL in nats, speedups as ratios.
+POINTS, NATS, RATIO = "points", "nats", "ratio"
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<": operator.lt}
+
+
+@dataclass(frozen=True)
+class Screen:
+    name: str
+    title: str
+    group: str
+    unit: str
+    estimate: float
+    threshold: float
+    comparison: str
+    """How the decisive statistic must stand to the threshold: '>=', '>' or '<'."""
+    decided_on: str
+    """'estimate', 'lower bound' or 'upper bound'."""
+    passed: bool
+    method: str
+    run_ids: dict[str, str]
+    """Role -> run id of every run whose numbers went in."""
+    bound: float | None = None
+    """The one-sided limit the verdict compares (None when it rests on the estimate)."""
+    interval: tuple[float, float] | None = None
+    """The two-sided interval, where the method gives one."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Figures shown beside: the other interval, counts, the other estimator."""
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["interval"] = list(self.interval) if self.interval is not None else None
+        out["verdict"] = self.verdict
+        return out
+
+
+def _decide(statistic: float, comparison: str, threshold: float) -> bool:
+    return bool(_COMPARE[comparison](statistic, threshold))
+
+
+def _run_id(frame: pd.DataFrame, column: str, value: str) -> str:
+    ids = frame.loc[frame[column] == value, "run_id"].unique()
+    if len(ids) != 1:
+        raise ValueError(f"{column}={value}: expected rows from one run, found {len(ids)}")
+    return str(ids[0])
+
+
+def paired_outcomes(cases: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
+    """case_id, family and one boolean column per model, one row per test case both scored."""
+    left = cases.loc[cases["model"] == a, ["case_id", "family", "correct"]].rename(columns={"correct": a})
+    right = cases.loc[cases["model"] == b, ["case_id", "correct"]].rename(columns={"correct": b})
+    pairs = left.merge(right, on="case_id", how="inner", validate="one_to_one")
+    if not len(pairs) == len(left) == len(right):
+        raise ValueError(f"models {a} and {b} were not scored on the same test cases")
+    if pairs.empty:
+        raise ValueError(f"no test cases scored for models {a} and {b}")
+    return pairs
+
+
+def _paired_accuracy(cases: pd.DataFrame, a: str, b: str, level: float) -> tuple[stats.PairedTable, stats.Interval, stats.Interval]:
+    pairs = paired_outcomes(cases, a, b)
+    table = stats.paired_table([bool(x) for x in pairs[a]], [bool(x) for x in pairs[b]])
+    return table, stats.tango_interval(table, level), stats.newcombe_interval(table, level)
+
+
+def _accuracy_details(table: stats.PairedTable, a: str, b: str, newcombe: stats.Interval) -> dict[str, Any]:
+    return {
+        "cases": table.n,
+        "paired_table": {"both_correct": table.n11, f"only_{a}": table.n10, f"only_{b}": table.n01, "neither": table.n00},
+        f"accuracy_{a}": (table.n11 + table.n10) / table.n,
+        f"accuracy_{b}": (table.n11 + table.n01) / table.n,
+        "newcombe_interval": [newcombe.lower, newcombe.upper],
+    }
+
+
+def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
+    """Screen 1: compressed - seed accuracy, paired by test case, at least min_accuracy_gain."""
+    table, tango, newcombe = _paired_accuracy(cases, "compressed", "seed", cfg.interval_level)
+    threshold = cfg.min_accuracy_gain
+    details = _accuracy_details(table, "compressed", "seed", newcombe)
+    # Decided on the point estimate; whether the interval also clears the bar
+    # is shown, never substituted for the verdict.
+    details["tango_lower_clears_threshold"] = bool(tango.lower >= threshold)
+    return Screen(
+        name=ACCURACY_GAIN,
+        title="accuracy gain over the seed model",
+        group=QUALITY,
+        unit=POINTS,
+        estimate=tango.estimate,
+        threshold=threshold,
+        comparison=">=",
+        decided_on="estimate",
+        passed=_decide(tango.estimate, ">=", threshold),
+        method=(
+            f"compressed - seed accuracy on the final test, paired by test case (n={table.n}); a case is correct "
+            f"when its verifier scores 1.0; Tango's score interval, two-sided {cfg.interval_level:.0%} "
+            "(Newcombe's hybrid score interval beside); the verdict rests on the point estimate"
+        ),
+        run_ids={"evaluate/compressed": _run_id(cases, "model", "compressed"), "evaluate/seed": _run_id(cases, "model", "seed")},
+        interval=(tango.lower, tango.upper),
+        details=details,
+    )
+
+
+def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
+    """Screen 3: the lower limit of compressed - control accuracy above the margin."""
+    table, tango, newcombe = _paired_accuracy(cases, "compressed", "control", cfg.interval_level)
+    return Screen(
+        name=NONINFERIORITY,
+        title="non-inferiority against the control",
+        group=QUALITY,
+        unit=POINTS,
+        estimate=tango.estimate,
+        threshold=cfg.noninferiority_margin,
+        comparison=">",
+        decided_on="lower bound",
+        passed=_decide(tango.lower, ">", cfg.noninferiority_margin),
+        method=(
+            f"compressed - control accuracy on the final test, paired by test case (n={table.n}); lower limit of "
+            f"Tango's two-sided {cfg.interval_level:.0%} score interval (Newcombe's hybrid score interval beside)"
+        ),
+        run_ids={
+            "evaluate/compressed": _run_id(cases, "model", "compressed"),
+            "evaluate/control": _run_id(cases, "model", "control"),
+        },
+        bound=tango.lower,
+        interval=(tango.lower, tango.upper),
+        details=_accuracy_details(table, "compressed", "control", newcombe),
+    )
+
+
+def retention_differences(retention: pd.DataFrame, a: str = "compressed", b: str = "seed") -> pd.DataFrame:
+    """Per scored document: doc_id, tokens, a - b mean NLL (diff_mean) and summed NLL (diff_sum).
+
+    A document with no target tokens has no mean NLL and carries no evidence
+    either way; it is left out (the same one for both models).
+    """
+    cols = ["doc_id", "tokens", "nll_sum", "mean_nll"]
+    left = retention.loc[retention["model"] == a, cols]
+    right = retention.loc[retention["model"] == b, cols]
+    pairs = left.merge(right, on="doc_id", how="inner", suffixes=("_a", "_b"), validate="one_to_one")
+    if not len(pairs) == len(left) == len(right):
+        raise ValueError(f"models {a} and {b} were not scored on the same retention documents")
+    if not (pairs["tokens_a"] == pairs["tokens_b"]).all():
+        raise ValueError(f"models {a} and {b} were scored on different tokens of the same documents")
+    pairs = pairs[pairs["tokens_a"].astype(float) > 0]
+    return pd.DataFrame(
+        {
+            "doc_id": pairs["doc_id"],
+            "tokens": pairs["tokens_a"].astype(float),
+            "diff_mean": pairs["mean_nll_a"].astype(float) - pairs["mean_nll_b"].astype(float),
+            "diff_sum": pairs["nll_sum_a"].astype(float) - pairs["nll_sum_b"].astype(float),
+        }
+    ).reset_index(drop=True)
+
+
+def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
+    """Screen 2: the paired-t upper bound of compressed - seed mean NLL below the limit."""
+    diffs = retention_differences(retention)
+    level = cfg.retention_level
+    t_bound = stats.paired_t_upper_bound(diffs["diff_mean"].tolist(), level)
+    ratio = stats.ratio_difference_clustered(diffs["diff_sum"].tolist(), diffs["tokens"].tolist(), level)
+    return Screen(
+        name=RETENTION,
+        title="retention (NLL increase over the seed model)",
+        group=QUALITY,
+        unit=NATS,
+        estimate=t_bound.estimate,
+        threshold=cfg.retention_max_nll_increase,
+        comparison="<",
+        decided_on="upper bound",
+        passed=_decide(t_bound.upper, "<", cfg.retention_max_nll_increase),
+        method=(
+            f"per retention document (n={len(diffs)}), compressed - seed mean per-token NLL of its assistant "
+            f"tokens; one-sided {level:.0%} paired t upper bound of the mean over documents (each document "
+            "weighs the same); beside it the token-weighted ratio estimate with a document-clustered standard "
+            "error; tokens are never treated as independent"
+        ),
+        run_ids={
+            "evaluate/compressed": _run_id(retention, "model", "compressed"),
+            "evaluate/seed": _run_id(retention, "model", "seed"),
+        },
+        bound=t_bound.upper,
+        details={
+            "documents": len(diffs),
+            "documents_without_tokens": int((retention["model"] == "seed").sum()) - len(diffs),
+            "tokens": float(diffs["tokens"].sum()),
+            "token_weighted_estimate": ratio.estimate,
+            "token_weighted_se": ratio.se,
+            "token_weighted_upper": ratio.upper,
+        },
+    )
+
+
+def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str, cfg: ScreensConfig) -> Screen:
+    seconds = {arm: float(train.loc[train["arm"] == arm, column].iloc[0]) for arm in ("control", "compressed")}
+    value = stats.speedup(seconds["control"], seconds["compressed"])
+    return Screen(
+        name=name,
+        title=title,
+        group=SPEED,
+        unit=RATIO,
+        estimate=value,
+        threshold=cfg.min_speedup,
+        comparison=">=",
+        decided_on="estimate",
+        passed=_decide(value, ">=", cfg.min_speedup),
+        method=f"control seconds / compressed seconds, {what}; one measured run per arm",
+        run_ids={"train/control": _run_id(train, "arm", "control"), "train/compressed": _run_id(train, "arm", "compressed")},
+        details={"control_seconds": seconds["control"], "compressed_seconds": seconds["compressed"]},
+    )
+
+
+def speedups(train: pd.DataFrame, cfg: ScreensConfig) -> list[Screen]:
+    """Screens 4 and 5: active and complete-process speedup of compressed over control."""
+    return [
+        _speedup(
+            train, "active_seconds", ACTIVE_SPEEDUP, "active speedup",
+            "training-active time (first update start to last update end)", cfg,
+        ),
+        _speedup(
+            train, "complete_seconds", COMPLETE_SPEEDUP, "complete-process speedup",
+            "process launch to process exit, everything included", cfg,
+        ),
+    ]
+
+
+def compute(cases: pd.DataFrame, retention_table: pd.DataFrame, train: pd.DataFrame, cfg: ScreensConfig) -> list[Screen]:
+    """All five screens, in the protocol's order."""
+    return [accuracy_gain(cases, cfg), retention(retention_table, cfg), noninferiority(cases, cfg), *speedups(train, cfg)]
+
+
+def verdicts(screens: list[Screen]) -> dict[str, str]:
+    """Quality and speed verdicts: a group passes only when every one of its screens does."""
+    out = {}
+    for group in (QUALITY, SPEED):
+        members = [s for s in screens if s.group == group]
+        out[group] = "pass" if members and all(s.passed for s in members) else "fail"
+    return out
+
+
+def _number(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def resources(train: pd.DataFrame) -> dict[str, Any]:
+    """Cost figures per arm, reported beside the screens and never folded in.
+
+    Device-seconds are allocated devices x complete seconds: two workers that
+    finish sooner may still hold more device time than one.
+    """
+    columns = ["active_seconds", "complete_seconds", "device_seconds", "checkpoint_seconds",
+               "bytes_dense", "bytes_compressed", "bytes_total", "cost_usd", "peak_rss_mb"]
+    arms = {}
+    for _, row in train.iterrows():
+        arms[str(row["arm"])] = {"run_id": str(row["run_id"])} | {c: _number(row[c]) for c in columns}
+    control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
+    ratio = compressed / control if control and compressed is not None else None
+    return {"arms": arms, "device_seconds_ratio": ratio}
+
+
+def accuracy_by_family(cases: pd.DataFrame) -> pd.DataFrame:
+    """model, family, cases, correct, accuracy; family 'all' is the whole test."""
+    whole = cases.assign(family="all")
+    grouped = pd.concat([cases, whole]).groupby(["model", "family"], sort=True)["correct"]
+    table = grouped.agg(cases="size", correct="sum").reset_index()
+    table["accuracy"] = table["correct"] / table["cases"]
+    return table

@@ -1,0 +1,156 @@
+"""The two predetermined final candidates: each arm's final checkpoint,
+committed once, by the sha256 of its weights.
+
+`select_final(cfg, run_id)` finds the newest FINISHED train run of each arm,
+re-hashes its checkpoint against the hash that run recorded, and appends both
+to the ledger (kind candidate, subject `<study>/<arm>`). `verified_selection(cfg)`
+gives the committed candidates back after re-hashing the weights on disk.
+A study is, for now, one config (its sha256); once train runs carry the plan
+sha, `study_key` is the place that changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coopstudy import ledger as ledger_mod
+from coopstudy import tracking, workspace
+from coopstudy.config import Config
+from coopstudy.errors import RefusedError
+
+ARMS = ("control", "compressed")
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    arm: str
+    sha256: str
+    path: Path
+    """The checkpoint directory (Hugging Face format)."""
+    train_run_id: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    candidates: dict[str, Candidate]
+    select_run_id: str
+
+
+def study_key(cfg: Config) -> str:
+    return tracking.config_sha256(cfg)
+
+
+def subject(cfg: Config, arm: str) -> str:
+    return f"{study_key(cfg)}/{arm}"
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def weights_sha256(path: Path, what: str) -> str:
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise RefusedError(f"{what}: the checkpoint weights {weights} are missing")
+    return workspace.sha256_file(weights)
+
+
+def final_train_runs(cfg: Config) -> dict[str, Candidate]:
+    """Each arm's newest FINISHED train run of this study, as a candidate;
+    refuses, naming every arm, when one has not finished."""
+    found: dict[str, Candidate] = {}
+    problems = []
+    for arm in ARMS:
+        runs = tracking.search_runs(
+            cfg.experiment,
+            f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_TRAIN}' and tags.`{tracking.TAG_ARM}` = '{arm}' "
+            f"and tags.`{tracking.TAG_CONFIG_SHA}` = '{study_key(cfg)}'",
+        )
+        finished = [r for r in runs if r.info.status == "FINISHED"]
+        if not finished:
+            problems.append(
+                f"arm {arm} has not finished (its newest train run {runs[0].info.run_id} is {runs[0].info.status})"
+                if runs
+                else f"arm {arm} has no train run"
+            )
+            continue
+        run = finished[0]
+        sha, path = run.data.tags.get(tracking.TAG_CHECKPOINT_SHA), run.data.tags.get(tracking.TAG_CHECKPOINT_PATH)
+        if not sha or not path:
+            problems.append(f"arm {arm}: train run {run.info.run_id} records no final checkpoint")
+            continue
+        found[arm] = Candidate(arm, sha, Path(path), run.info.run_id)
+    if problems:
+        todo = [arm for arm in ARMS if arm not in found]
+        arm_arg = todo[0] if len(todo) == 1 else "both"
+        raise RefusedError(
+            f"{'; '.join(problems)} (config sha {study_key(cfg)[:12]}); train first: "
+            f"`python -m coopstudy train --preset {cfg.preset} --arm {arm_arg}`"
+        )
+    return found
+
+
+def committed(cfg: Config, ledger: ledger_mod.Ledger) -> list[ledger_mod.Entry]:
+    """Candidate entries of this study, oldest first."""
+    prefix = study_key(cfg) + "/"
+    return [e for e in ledger.entries() if e.kind == ledger_mod.CANDIDATE and e.subject.startswith(prefix)]
+
+
+def select_final(cfg: Config, select_run_id: str, ledger: ledger_mod.Ledger | None = None) -> dict[str, Candidate]:
+    """Commit each arm's final checkpoint, once per study."""
+    ledger = ledger or ledger_mod.Ledger()
+    earlier = committed(cfg, ledger)
+    if earlier:
+        first = earlier[0]
+        raise RefusedError(
+            f"the final candidates of this study (config sha {study_key(cfg)[:12]}) were already selected at "
+            f"{_when(first.time)} by select run {first.details.get('select_run_id')}; a selection is made once"
+        )
+    found = final_train_runs(cfg)
+    for arm, cand in found.items():
+        actual = weights_sha256(cand.path, f"arm {arm}")
+        if actual != cand.sha256:
+            raise RefusedError(
+                f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
+                f"recorded {cand.sha256[:12]}; the checkpoint changed after training"
+            )
+    for arm in ARMS:
+        cand = found[arm]
+        ledger.append(
+            ledger_mod.CANDIDATE,
+            subject(cfg, arm),
+            cand.sha256,
+            {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
+        )
+    return found
+
+
+def verified_selection(cfg: Config, ledger: ledger_mod.Ledger | None = None) -> Selection:
+    """The committed candidates, after checking that their weights on disk still hash to them."""
+    ledger = ledger or ledger_mod.Ledger()
+    entries = {}
+    for e in committed(cfg, ledger):
+        # A selection is made once; should the ledger hold more, the first counts.
+        entries.setdefault(e.details.get("arm"), e)
+    missing = [arm for arm in ARMS if arm not in entries]
+    if missing:
+        raise RefusedError(
+            f"no final candidates selected for this study (config sha {study_key(cfg)[:12]}; missing: {', '.join(missing)}); "
+            f"run `python -m coopstudy select --preset {cfg.preset}` first"
+        )
+    candidates = {}
+    for arm in ARMS:
+        e = entries[arm]
+        cand = Candidate(arm, e.digest, Path(e.details["path"]), e.details["train_run_id"])
+        what = f"the {arm} candidate selected at {_when(e.time)} by select run {e.details['select_run_id']}"
+        actual = weights_sha256(cand.path, what)
+        if actual != cand.sha256:
+            raise RefusedError(
+                f"{what}: the weights in {cand.path} hash to {actual[:12]}, not the selected {cand.sha256[:12]}; "
+                "they changed after selection, refusing to score them"
+            )
+        candidates[arm] = cand
+    return Selection(candidates, entries[ARMS[0]].details["select_run_id"])

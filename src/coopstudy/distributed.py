@@ -1,0 +1,359 @@
+"""The only module that touches torch.distributed.
+
+A rank learns its place from the launcher's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT); without WORLD_SIZE > 1 the process is
+the single device of the control arm and no process group exists. The train
+loop sees a `DistContext`, a model from `wrap_model`, `no_sync`, the scalar
+reductions and `barrier`.
+
+PowerSGD (torch's `powerSGD_hook`) runs dense all-reduce while
+`state.iter < state.start_powerSGD_iter` and compresses after. `state.iter`
+grows by one per *hook call on the last bucket*, and DDP calls the hook only
+on a backward that synchronizes: under `no_sync` no hook runs. With gradient
+accumulation (no_sync on all but the last microbatch) `iter` therefore counts
+optimizer updates, and start_powerSGD_iter = powersgd.dense_updates makes
+updates 1..D dense and D+1.. compressed (tests/test_distributed.py checks it).
+
+Bytes: every collective payload a worker issues is counted, by phase, in a
+`ByteCounter`. Payload means the bytes of the tensor a worker hands to the
+all-reduce, not wire traffic (a ring all-reduce moves about 2(n-1)/n times
+that per worker).
+"""
+
+# No `from __future__ import annotations` here: DDP's register_comm_hook
+# compares the hook's annotations with the real classes, not with strings.
+import contextlib
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from coopstudy.config import Config
+from coopstudy.errors import UserError
+
+DENSE = "dense"
+COMPRESSED = "compressed"
+
+MIN_COMPRESSION_RATE = 1.0
+"""A matrix is compressed when its rank-r factors, (n+m)·r elements, are
+fewer than its n·m elements: every weight matrix that compression makes
+smaller is compressed, as the protocol's "rank 32" reads. (torch's default, 2,
+would silently send some matrices dense at small sizes.) Vectors (norms) never
+qualify and go dense."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    """None: one process, no process group."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise UserError(f"{name} is not set but WORLD_SIZE={os.environ['WORLD_SIZE']}; start ranks with a launcher (deepspeed, torchrun)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not an integer") from None
+
+
+def init(cfg: Config) -> DistContext:
+    """Join the process group the environment describes, or stay alone.
+
+    Backend auto: nccl (device cuda:LOCAL_RANK) with CUDA, else gloo (CPU).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    cuda = torch.cuda.is_available()
+    if world <= 1:
+        return DistContext(0, 1, 0, torch.device("cuda", 0) if cuda else torch.device("cpu"), None)
+    rank = _env_int("RANK")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UserError(f"{name} is not set but WORLD_SIZE={world}; start ranks with a launcher (deepspeed, torchrun)")
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise UserError("distributed.backend: nccl needs CUDA, and this machine has none; use gloo or auto")
+    # gloo ranks compute on CPU (the CPU presets, the gate) even where CUDA exists.
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # The timeout ends every rank when one stops answering, instead of
+        # leaving the others blocked in a collective for ever.
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
+        )
+    return DistContext(rank, world, local_rank, device, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(cfg: Config) -> Iterator[DistContext]:
+    """init, then shutdown on success and on failure alike.
+
+    Drop the DDP model and its ByteCounter before the block ends: they hold
+    the process group, and a gloo group that outlives destroy_process_group
+    keeps its worker threads into interpreter exit, where a rank then aborted
+    ("terminate called ... Resource deadlock avoided") in about 1 run in 20 of
+    a PowerSGD test; with the model dropped first, none in 20.
+    """
+    ctx = init(cfg)
+    try:
+        yield ctx
+    finally:
+        shutdown()
+
+
+def barrier() -> None:
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+# --- byte accounting ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateBytes:
+    """Collective payload of one worker in one update."""
+
+    update: int
+    phase: str | None
+    """dense, compressed, or None when no gradient was communicated (one worker)."""
+    gradient_bytes: int
+    scalar_bytes: int
+    """The update's scalar reductions (loss, tokens)."""
+    collectives: int
+
+    @property
+    def total(self) -> int:
+        return self.gradient_bytes + self.scalar_bytes
+
+
+@dataclass(frozen=True)
+class ByteTotals:
+    dense: int
+    """Gradient payload of the dense updates."""
+    compressed: int
+    """Gradient payload of the compressed updates."""
+    scalar: int
+    setup: int
+    """The one parameter-and-buffer broadcast from rank 0 when DDP is built."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.compressed + self.scalar + self.setup
+
+
+@dataclass
+class ByteCounter:
+    """Counts every collective payload one worker issues; read after each update.
+
+    It is also the state DDP hands to the comm hook, so it owns the
+    PowerSGDState (None when DDP runs plain dense all-reduce, as in the gate).
+    """
+
+    setup_bytes: int
+    powersgd: PowerSGDState | None
+    updates: list[UpdateBytes] = field(default_factory=list)
+    _phase: str | None = None
+    _gradient: int = 0
+    _scalar: int = 0
+    _collectives: int = 0
+
+    def add_gradient(self, phase: str, nbytes: int, collectives: int) -> None:
+        self._phase = phase
+        self._gradient += nbytes
+        self._collectives += collectives
+
+    def add_scalar(self, nbytes: int) -> None:
+        self._scalar += nbytes
+        self._collectives += 1
+
+    def end_update(self) -> UpdateBytes:
+        """Close the current update's count and return it."""
+        done = UpdateBytes(len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives)
+        self.updates.append(done)
+        self._phase, self._gradient, self._scalar, self._collectives = None, 0, 0, 0
+        return done
+
+    def totals(self) -> ByteTotals:
+        by_phase = {DENSE: 0, COMPRESSED: 0}
+        for u in self.updates:
+            if u.phase is not None:
+                by_phase[u.phase] += u.gradient_bytes
+        return ByteTotals(by_phase[DENSE], by_phase[COMPRESSED], sum(u.scalar_bytes for u in self.updates), self.setup_bytes)
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    shape: tuple[int, ...]
+    compressed: bool
+    elements: int
+    """Elements sent per compressed update: (n+m)·r when compressed, n·m otherwise."""
+
+
+def compression_plan(shapes: Iterable[Sequence[int]], rank: int, min_rate: float = MIN_COMPRESSION_RATE) -> list[MatrixPlan]:
+    """Which gradients powerSGD_hook compresses, by its own rule.
+
+    The hook views each gradient as (shape[0], rest), takes r = min(n, m, rank)
+    and compresses when (n+m)·r·min_rate < n·m (powerSGD_hook.py,
+    `_should_compress`); compressed matrices send P (n·r) and Q (m·r).
+    """
+    plans = []
+    for shape in shapes:
+        n = int(shape[0])
+        m = math.prod(int(s) for s in shape[1:])
+        r = min(n, m, rank)
+        low_rank = (n + m) * r
+        compressed = low_rank * min_rate < n * m
+        plans.append(MatrixPlan(tuple(int(s) for s in shape), compressed, low_rank if compressed else n * m))
+    return plans
+
+
+def _counting_hook(counter: ByteCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Count the bucket's payload, then hand it to the real hook unchanged."""
+    buffer = bucket.buffer()
+    state = counter.powersgd
+    if state is None:
+        counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+        return default_hooks.allreduce_hook(None, bucket)
+    # The same test powerSGD_hook makes before it decides (and before it
+    # increments state.iter): dense while iter < start_powerSGD_iter.
+    if state.iter < state.start_powerSGD_iter:
+        counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+    else:
+        plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
+        # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
+        counter.add_gradient(COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
+    return powerSGD_hook(state, bucket)
+
+
+# --- DDP ---------------------------------------------------------------------
+
+
+def wrap_model(net: nn.Module, cfg: Config, ctx: DistContext, *, powersgd: bool = True) -> tuple[nn.Module, ByteCounter | None]:
+    """DDP around `net` with the counting PowerSGD hook; `net` itself with one worker.
+
+    powersgd=False keeps DDP's dense all-reduce for every update (the gate:
+    PowerSGD is lossy by design and is not what the gate checks).
+    """
+    if not ctx.distributed:
+        return net, None
+    if powersgd and cfg.powersgd.dense_updates < 2:
+        # torch refuses start_powerSGD_iter <= 1 with error feedback or warm
+        # start: DDP rebuilds its buckets after the first iteration, which would
+        # invalidate the per-bucket error and P/Q memories.
+        raise UserError(
+            f"powersgd.dense_updates: {cfg.powersgd.dense_updates} is below 2; PowerSGD with error feedback "
+            "needs at least two dense updates before compression"
+        )
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    bucket_cap_mb = None
+    if ctx.backend == "gloo":
+        # One bucket for the whole model. With several buckets, powerSGD_hook
+        # chains each bucket's all-reduces through future callbacks that gloo
+        # runs on its own threads, so the buckets' collectives can interleave
+        # in a different order on each rank and fail as a collective mismatch.
+        # One bucket keeps a single ordered chain per update. On CPU the
+        # overlap of communication with backward that several buckets would
+        # buy is nil anyway (one core per device). NCCL orders collectives on
+        # its stream and keeps DDP's default buckets.
+        bucket_cap_mb = math.ceil(param_bytes / 2**20) + 1
+    model = DDP(
+        net,
+        device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        # The protocol's resident gradient buffers: gradients are views into
+        # DDP's buckets, zeroed in place (update.run_update), never reallocated.
+        gradient_as_bucket_view=True,
+        # No buffer changes in training (Llama's only buffer is the rotary
+        # table), so no per-forward broadcast: the only collectives of an
+        # update are the gradient reduction and the loss/token sums.
+        forward_sync_buffers=False,
+    )
+    state = None
+    if powersgd:
+        state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd.rank,
+            start_powerSGD_iter=cfg.powersgd.dense_updates,
+            min_compression_rate=MIN_COMPRESSION_RATE,
+            # Error feedback lives in the dtype of the gradient bucket. Parameters
+            # and gradients stay fp32 under bf16 autocast (objective.forward_precision),
+            # so the error is kept in fp32, as the protocol requires.
+            use_error_feedback=True,
+            warm_start=cfg.powersgd.warm_start,
+            random_seed=cfg.train.seed,
+        )
+    # DDP broadcasts parameters and buffers from rank 0 once, at construction.
+    setup = param_bytes + sum(b.numel() * b.element_size() for b in net.buffers())
+    counter = ByteCounter(setup_bytes=setup, powersgd=state)
+    model.register_comm_hook(counter, _counting_hook)
+    return model, counter
+
+
+def no_sync(model: nn.Module) -> ContextManager:
+    """DDP's no_sync: this forward and backward accumulate without communication."""
+    return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+# --- scalar reductions -------------------------------------------------------
+
+
+def all_reduce_sums(values: Sequence[float], counter: ByteCounter | None = None) -> list[float]:
+    """Sum each value over the workers, in one collective; identity with one worker."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # float64: token counts stay exact integers and the loss keeps every digit
+    # it was accumulated with.
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    if counter is not None:
+        counter.add_scalar(tensor.numel() * tensor.element_size())
+    return tensor.tolist()
+
+
+def all_reduce_sum(value: float, counter: ByteCounter | None = None) -> float:
+    return all_reduce_sums([value], counter)[0]

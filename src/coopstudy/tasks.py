@@ -1,0 +1,152 @@
+"""Generated tasks from reasoning-gym families: training items, the final test
+(no question shared with training, checked), the chat form of a task, and the
+family's own verifier.
+
+reasoning-gym seeds item i of a dataset with `seed + i`, so each family gets
+its own seed range, FAMILY_STRIDE apart, and training and test ranges are
+checked not to overlap.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coopstudy.errors import UserError
+
+FAMILY_STRIDE = 1_000_000
+"""Seed distance between consecutive families of one split."""
+INSTRUCTION = "Answer with only the final answer."
+
+
+def final_budget(per_family: int) -> int:
+    """Items tried per family for the final test: enough spare for questions
+    that training already holds (a family with a small question space repeats)."""
+    return 2 * per_family + 100
+
+
+@dataclass(frozen=True)
+class Task:
+    family: str
+    index: int
+    """reasoning-gym item index within the family's seed range."""
+    entry: dict[str, Any]
+    """question, answer, metadata: what the family's verifier reads."""
+
+    @property
+    def question(self) -> str:
+        return self.entry["question"]
+
+
+@dataclass
+class FinalDraw:
+    tasks: list[Task]
+    seen_in_training: dict[str, int] = field(default_factory=dict)
+    repeated_in_test: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.seen_in_training.values()) + sum(self.repeated_in_test.values())
+
+
+def family_seed(base: int, position: int) -> int:
+    return base + position * FAMILY_STRIDE
+
+
+def check_seed_ranges(families: Sequence[str], train_seed: int, train_n: int, test_seed: int, test_n: int) -> None:
+    """Refuse seeds whose ranges overlap: an overlap repeats items between
+    families or between training and test."""
+    ranges = []
+    for pos, fam in enumerate(families):
+        ranges.append((family_seed(train_seed, pos), train_n, f"training {fam}"))
+        ranges.append((family_seed(test_seed, pos), final_budget(test_n), f"test {fam}"))
+    ranges.sort()
+    for (a, n, what_a), (b, _, what_b) in zip(ranges, ranges[1:]):
+        if a + n > b:
+            raise UserError(
+                f"data.test_seed: the seed ranges of {what_a} ({a}..{a + n - 1}) and {what_b} (from {b}) overlap; "
+                f"keep data.generation_seed and data.test_seed at least {len(families) * FAMILY_STRIDE} apart"
+            )
+
+
+def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None):
+    import reasoning_gym
+
+    try:
+        return reasoning_gym.create_dataset(family, seed=seed, size=size, **dict(options or {}))
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {err}") from None
+
+
+def _entry(raw: Mapping[str, Any]) -> dict[str, Any]:
+    # A JSON round trip now, so the entry a verifier sees at evaluation (read
+    # back from test.jsonl) is the one it sees here.
+    return json.loads(json.dumps({k: raw[k] for k in ("question", "answer", "metadata")}, default=str))
+
+
+def generate_training(families: Sequence[str], per_family: int, seed: int, options: Mapping[str, Mapping[str, Any]] | None = None) -> list[Task]:
+    out: list[Task] = []
+    for pos, fam in enumerate(families):
+        ds = dataset(fam, family_seed(seed, pos), per_family, (options or {}).get(fam))
+        out.extend(Task(fam, i, _entry(ds[i])) for i in range(per_family))
+    return out
+
+
+def generate_final(
+    families: Sequence[str],
+    per_family: int,
+    seed: int,
+    training_questions: set[str],
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> FinalDraw:
+    """`per_family` new cases per family: items whose question appears in
+    training, or earlier in the test, are dropped and counted."""
+    draw = FinalDraw(tasks=[])
+    for pos, fam in enumerate(families):
+        budget = final_budget(per_family)
+        ds = dataset(fam, family_seed(seed, pos), budget, (options or {}).get(fam))
+        seen: set[str] = set()
+        kept = 0
+        draw.seen_in_training[fam] = draw.repeated_in_test[fam] = 0
+        for i in range(budget):
+            if kept == per_family:
+                break
+            entry = _entry(ds[i])
+            question = entry["question"]
+            if question in training_questions:
+                draw.seen_in_training[fam] += 1
+            elif question in seen:
+                draw.repeated_in_test[fam] += 1
+            else:
+                seen.add(question)
+                draw.tasks.append(Task(fam, i, entry))
+                kept += 1
+        if kept < per_family:
+            raise UserError(
+                f"data.test_per_family: family {fam} has only {kept} new questions in {budget} tries "
+                f"({draw.seen_in_training[fam]} already in training); lower data.test_per_family or data.tasks_per_family"
+            )
+    return draw
+
+
+def task_messages(question: str) -> list[dict[str, str]]:
+    """The prompt of a task, as the model sees it in training and at test."""
+    return [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
+
+
+def training_messages(task: Task) -> list[dict[str, str]]:
+    return task_messages(task.question) + [{"role": "assistant", "content": str(task.entry["answer"])}]
+
+
+@functools.cache
+def _verifier(family: str):
+    # score_answer reads the entry, not the dataset's items; any instance of the family will do.
+    return dataset(family, seed=0, size=1)
+
+
+def score_answer(family: str, answer: str | None, entry: Mapping[str, Any]) -> float:
+    """The family's own verifier: 1.0 is correct, some families give partial credit."""
+    return float(_verifier(family).score_answer(answer, dict(entry)))

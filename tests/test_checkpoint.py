@@ -1,0 +1,98 @@
+"""checkpoint: what is saved loads with from_pretrained, and any changed byte is caught."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from coopstudy import checkpoint, workspace
+
+
+@pytest.fixture
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"t{i}": i for i in range(62)} | {"<unk>": 62, "<eos>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def _data_start(path: Path) -> int:
+    """Offset of the first tensor byte: after the 8-byte length and the JSON header."""
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def _flip(path: Path, offset: int) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[offset] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+def test_saved_checkpoint_loads_and_matches(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    weights = saved.folder / checkpoint.MODEL_FILE
+    assert saved.sha256 == workspace.sha256_file(weights)
+    assert (saved.folder / "tokenizer.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(saved.folder)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    # The tied output matrix is stored once, and verify accepts that.
+    with open(weights, "rb") as fh:
+        header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+    assert "lm_head.weight" not in header and "model.embed_tokens.weight" in header
+
+
+def test_flipped_byte_fails_the_hash(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    weights = saved.folder / checkpoint.MODEL_FILE
+    _flip(weights, _data_start(weights) + 100)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="sha256"):
+        checkpoint.verify(saved.folder, model.state_dict(), saved.sha256)
+
+
+def test_flipped_byte_fails_the_tensor_comparison_even_with_a_matching_hash(model, tokenizer, tmp_path):
+    # A byte corrupted while writing is already in the hash taken after the
+    # write: the tensor-by-tensor read-back is what catches it.
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    weights = saved.folder / checkpoint.MODEL_FILE
+    _flip(weights, _data_start(weights) + 100)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="differs from the trained weights"):
+        checkpoint.verify(saved.folder, model.state_dict(), workspace.sha256_file(weights))
+
+
+def test_unreadable_header_fails_loudly(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    weights = saved.folder / checkpoint.MODEL_FILE
+    _flip(weights, 10)  # inside the JSON header
+    with pytest.raises(checkpoint.CheckpointMismatch, match="cannot be read back"):
+        checkpoint.verify(saved.folder, model.state_dict(), workspace.sha256_file(weights))
+
+
+def test_weights_changed_after_saving_are_caught(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1.0
+    with pytest.raises(checkpoint.CheckpointMismatch, match="model.norm.weight differs"):
+        checkpoint.verify(saved.folder, model.state_dict(), saved.sha256)
+
+
+def test_a_tensor_missing_on_disk_is_caught(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    expected = dict(model.state_dict()) | {"extra.weight": torch.zeros(3)}
+    with pytest.raises(checkpoint.CheckpointMismatch, match="lacks 1 trained tensors, e.g. extra.weight"):
+        checkpoint.verify(saved.folder, expected, saved.sha256)

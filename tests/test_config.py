@@ -1,0 +1,104 @@
+"""Presets load, the full study's numbers are frozen, and bad values are refused
+with one line and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from coopstudy import config
+from coopstudy.errors import ConfigError
+
+
+@pytest.mark.parametrize("preset", config.preset_names())
+def test_every_preset_loads(preset):
+    cfg = config.load(preset)
+    assert cfg.preset == preset
+    flat = config.flatten(cfg)
+    assert flat["train.global_batch"] == str(cfg.train.global_batch)
+    assert all(isinstance(v, str) for v in flat.values())
+
+
+def test_presets_present():
+    assert {"tiny", "smollm2-135m-cpu", "smollm2-1.7b"} <= set(config.preset_names())
+
+
+def test_full_study_numbers():
+    cfg = config.load("smollm2-1.7b")
+    d, t = cfg.data, cfg.train
+    assert len(d.families) == 4
+    assert len(d.families) * d.tasks_per_family == 6144
+    assert d.replay_docs == 2048
+    assert cfg.train_documents == 8192
+    assert len(d.families) * d.test_per_family == 1024
+    assert d.retention_docs == 128
+    assert (t.global_batch, t.updates, t.lr, t.warmup_updates) == (256, 128, 3e-5, 8)
+    assert t.updates * t.global_batch == 4 * cfg.train_documents  # four passes
+    assert d.max_context == 1024
+    assert (d.answer_weight, d.replay_weight) == (8.0, 1.0)
+    assert (cfg.arms.control.workers, cfg.arms.control.microbatch) == (1, 16)
+    assert (cfg.arms.compressed.workers, cfg.arms.compressed.microbatch) == (2, 8)
+    assert (cfg.powersgd.rank, cfg.powersgd.dense_updates) == (32, 8)
+    assert t.updates - cfg.powersgd.dense_updates == 120
+    assert cfg.model.source == "pretrained" and "1.7B" in cfg.model.name_or_path
+    s = cfg.screens
+    assert (s.min_accuracy_gain, s.retention_max_nll_increase, s.noninferiority_margin, s.min_speedup) == (
+        0.10, 0.02, -0.03, 1.10)
+    assert cfg.budget.allocation_usd == 100.0
+
+
+def test_default_preset_is_the_cpu_preset():
+    from coopstudy.cli import DEFAULT_PRESET
+
+    assert DEFAULT_PRESET == "smollm2-135m-cpu"
+    assert config.load(DEFAULT_PRESET).model.source == "gguf-package"
+
+
+def test_overrides_are_typed():
+    cfg = config.load("tiny", ["train.lr=2e-4", "data.families=[gcd, products]", "train.grad_clip=1.0"])
+    assert cfg.train.lr == 2e-4
+    assert cfg.data.families == ("gcd", "products")
+    assert cfg.train.grad_clip == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lrr=1", "train.lrr: unknown key"),
+        ("train.updates=abc", "train.updates"),
+        ("train.updates=-3", "train.updates"),
+        ("data.replay_docs=-1", "data.replay_docs"),
+        ("train.global_batch=7", "train.global_batch"),
+        ("arms.compressed.microbatch=5", "arms.compressed.microbatch"),
+        ("train.precision=fp8", "train.precision"),
+        ("data.max_context=4", "data.max_context"),
+        ("train.warmup_updates=99", "train.warmup_updates"),
+        ("noequals", "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        config.load("tiny", [override])
+    message = str(err.value)
+    assert key in message
+    assert "\n" not in message
+
+
+def test_cli_refuses_bad_config_with_one_line(cli):
+    res = cli("prepare", "--preset", "tiny", "--set", "arms.control.microbatch=99", "--dry-run")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "arms.control.microbatch" in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_unknown_preset(cli):
+    res = cli("prepare", "--preset", "nope", "--dry-run")
+    assert res.returncode == 2
+    assert "unknown preset 'nope'" in res.stderr and "tiny" in res.stderr
+
+
+def test_dry_run_prints_resolved_config(cli):
+    res = cli("prepare", "--preset", "tiny", "--set", "train.lr=0.5", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "lr: 0.5" in res.stdout

@@ -1,0 +1,208 @@
+"""distributed.py on two real gloo ranks: PowerSGD's dense-to-compressed switch
+under gradient accumulation, error feedback precision, one bucket, and the
+byte count against what the ranks really hand to all-reduce."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from coopstudy import batching, config, distributed, objective, update
+from coopstudy.errors import UserError
+from coopstudy.gate import GateDoc
+
+DENSE_UPDATES = 2
+UPDATES = 5
+RANK = 4
+MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**MODEL, tie_word_embeddings=True))
+
+
+def _documents():
+    rng = random.Random(5)
+    docs = []
+    for _ in range(8):
+        n = rng.randrange(8, 40)
+        docs.append(GateDoc(tuple(rng.randrange(1, 512) for _ in range(n)), (0.0,) * (n - 4) + (8.0,) * 4))
+    return docs
+
+
+def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
+    lm = update.cast_for_training(_model(), "bf16")
+    net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx)
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+    scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
+    docs = _documents()
+    rows = []
+    for _ in range(UPDATES):
+        measured.clear()
+        # Local batch 4 in microbatches of 2: every update accumulates over
+        # two backward passes, only the second of which synchronizes.
+        plan = batching.plan_update(docs, list(range(8)), ctx.rank, ctx.world_size, 2)
+        mbs = [batching.collate([docs[i] for i in mb]) for mb in plan.microbatches]
+        result = update.run_update(net, optimizer, scheduler, mbs, plan.total_weight, ctx, precision="bf16", counter=counter)
+        rows.append(
+            {
+                "phase": result.comm.phase,
+                "gradient_bytes": result.comm.gradient_bytes,
+                "scalar_bytes": result.comm.scalar_bytes,
+                "counted": result.comm.total,
+                "collectives": result.comm.collectives,
+                "measured": sum(measured),
+                "measured_collectives": len(measured),
+                "iter": counter.powersgd.iter,
+                "error_dtypes": sorted({str(e.dtype) for e in counter.powersgd.error_dict.values()}),
+                "loss": result.loss,
+            }
+        )
+    totals = counter.totals()
+    return {
+        "rows": rows,
+        "totals": {"dense": totals.dense, "compressed": totals.compressed, "scalar": totals.scalar, "setup": totals.setup},
+        "buckets": sorted(buckets),
+        "param_sum": float(sum(p.double().sum() for p in lm.parameters())),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in lm.parameters()}),
+        "shapes": {n: list(p.shape) for n, p in lm.named_parameters()},
+        "sum": distributed.all_reduce_sum(float(ctx.rank + 1)),
+    }
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    cfg = config.load("tiny", [f"powersgd.rank={RANK}", f"powersgd.dense_updates={DENSE_UPDATES}", "train.precision=bf16"])
+    # What each rank really hands to all-reduce, whoever calls it (the DDP
+    # hooks and the scalar sums look the function up on the module).
+    measured: list[int] = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def tally(tensor, *args, **kwargs):
+        measured.append(tensor.numel() * tensor.element_size())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = tally
+    buckets: set[int] = set()
+    real_hook = distributed._counting_hook
+
+    def spy(counter, bucket):
+        buckets.add(bucket.index())
+        return real_hook(counter, bucket)
+
+    distributed._counting_hook = spy
+    with distributed.session(cfg) as ctx:
+        # Everything that holds the process group (DDP, its hook state) is
+        # dropped inside _train, before the group is destroyed.
+        result = _train(cfg, ctx, measured, buckets)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_rank, args=(port, str(out)), nprocs=2, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_compression_starts_exactly_at_update_dense_updates_plus_one(two_ranks):
+    for result in two_ranks:
+        phases = [row["phase"] for row in result["rows"]]
+        assert phases == ["dense"] * DENSE_UPDATES + ["compressed"] * (UPDATES - DENSE_UPDATES)
+        # The hook's counter counts updates, not the 2 microbatches of each
+        # update: no hook runs under no_sync.
+        assert [row["iter"] for row in result["rows"]] == list(range(1, UPDATES + 1))
+
+
+def test_error_feedback_is_fp32_under_bf16_autocast(two_ranks):
+    for result in two_ranks:
+        assert result["grad_dtypes"] == ["torch.float32"]
+        rows = result["rows"]
+        assert all(row["error_dtypes"] == [] for row in rows[:DENSE_UPDATES])
+        assert all(row["error_dtypes"] == ["torch.float32"] for row in rows[DENSE_UPDATES:])
+
+
+def test_one_bucket_on_gloo_and_the_ranks_stay_identical(two_ranks):
+    assert two_ranks[0]["buckets"] == two_ranks[1]["buckets"] == [0]
+    # Compressed updates keep every replica equal (all ranks apply the same
+    # decompressed gradient), and the logged loss is the same global number.
+    assert two_ranks[0]["param_sum"] == two_ranks[1]["param_sum"]
+    assert [r["loss"] for r in two_ranks[0]["rows"]] == [r["loss"] for r in two_ranks[1]["rows"]]
+    assert two_ranks[0]["sum"] == two_ranks[1]["sum"] == 3.0
+
+
+def _analytic(shapes: dict[str, list[int]]) -> tuple[int, int]:
+    """fp32 bytes per update: dense, and compressed at RANK with the study's
+    rule (a matrix is sent as rank-r factors when they are smaller)."""
+    dense = compressed = 0
+    for shape in shapes.values():
+        numel = 1
+        for s in shape:
+            numel *= s
+        dense += numel
+        if len(shape) == 2:
+            n, m = shape
+            assert (n + m) * RANK < n * m, f"expected every weight matrix to be compressed, {shape} is not"
+            compressed += (n + m) * RANK
+        else:
+            compressed += numel
+    return 4 * dense, 4 * compressed
+
+
+def test_bytes_counted_match_the_payload_handed_to_all_reduce_and_the_analytic_size(two_ranks):
+    for result in two_ranks:
+        dense, compressed = _analytic(result["shapes"])
+        for row in result["rows"]:
+            assert row["counted"] == row["measured"]
+            assert row["collectives"] == row["measured_collectives"]
+            assert row["scalar_bytes"] == 16  # loss and tokens, two float64
+            assert row["gradient_bytes"] == (dense if row["phase"] == "dense" else compressed)
+        assert result["totals"]["dense"] == DENSE_UPDATES * dense
+        assert result["totals"]["compressed"] == (UPDATES - DENSE_UPDATES) * compressed
+        assert result["totals"]["setup"] >= dense
+
+
+def test_compression_plan_follows_the_hooks_rule():
+    plans = distributed.compression_plan([(576, 576), (192, 576), (576,), (8, 8)], rank=32)
+    assert [p.compressed for p in plans] == [True, True, False, False]
+    assert [p.elements for p in plans] == [(576 + 576) * 32, (192 + 576) * 32, 576, 64]
+
+
+def test_one_process_without_launcher_environment_has_no_process_group(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = config.load("tiny")
+    ctx = distributed.init(cfg)
+    assert (ctx.rank, ctx.world_size, ctx.backend, ctx.distributed) == (0, 1, None, False)
+    assert not torch.distributed.is_initialized()
+    net = torch.nn.Linear(2, 2)
+    assert distributed.wrap_model(net, cfg, ctx) == (net, None)
+    assert distributed.all_reduce_sums([1.5, 2.0]) == [1.5, 2.0]
+
+
+def test_a_rank_without_its_environment_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(UserError, match="RANK is not set"):
+        distributed.init(config.load("tiny"))
+
+
+def test_fewer_than_two_dense_updates_are_refused_before_ddp_is_built():
+    cfg = config.load("tiny", ["powersgd.dense_updates=1"])
+    ctx = distributed.DistContext(0, 2, 0, torch.device("cpu"), "gloo")
+    with pytest.raises(UserError, match="powersgd.dense_updates: 1 is below 2"):
+        distributed.wrap_model(torch.nn.Linear(2, 2), cfg, ctx)

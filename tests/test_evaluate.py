@@ -1,0 +1,311 @@
+"""Scoring: answer extraction and the families' own verifiers, batched greedy
+generation against one prompt at a time, retention NLL against a plain
+per-document computation, and the evaluate step on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import reasoning_gym
+import torch
+
+from coopstudy import chat, cli, config, evaluate, tasks, tracking, workspace
+from coopstudy.errors import UserError
+
+from fixtures_prepare import prepared_tiny, prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
+from test_select import fake_train_run
+
+
+# --- answers ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("output", "numeric", "expected"),
+    [
+        ("42", True, "42"),
+        ("  42\n", True, "42"),
+        ("The answer is 42.", True, "42"),
+        ("16 * 33 = 528", True, "528"),  # extra text: the last number counts
+        ("Answer: 1,000", True, "1,000"),
+        ("Let me see: 3 + 4 = 7\nAnswer: 7\nThat was easy, 100%", True, "7"),  # the marker's line only
+        ("7 - 4 - 9 = -6", True, "-6"),
+        ("x2 is 3.5", True, "3.5"),  # no number glued to a word
+        ("I do not know", True, "I do not know"),  # no number: the text, for the verifier to reject
+        ("**blue**.", False, "blue"),
+        ("Final answer: \"cat\"", False, "cat"),
+        ("42<|im_end|>junk 7", True, "42"),  # only the text before the end of turn
+    ],
+)
+def test_extract_answer_one_rule_for_every_family(output, numeric, expected):
+    assert evaluate.extract_answer(output, numeric) == expected
+
+
+FAMILIES = ("gcd", "products", "letter_counting", "chain_sum")
+
+
+def _case(family: str, index: int = 0) -> dict:
+    entry = reasoning_gym.create_dataset(family, seed=123, size=index + 1)[index]
+    return {"case_id": f"{family}/{index}", "family": family, "messages": tasks.task_messages(entry["question"]), "entry": entry}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scores_are_the_family_verifiers_own(family):
+    case = _case(family)
+    right = case["entry"]["answer"]
+    verifier = reasoning_gym.get_score_answer_fn(family)
+    outputs = {
+        "right": (right, True),
+        "right with text around it": (f"Let me compute. The answer is {right}.\nHope that helps!", True),
+        "right after working": (f"so 1 + 2 = 3, and the result is {right}", True),
+        "wrong": (str(int(right) + 1), False),
+        # The verifier gives partial credit when the expected answer appears
+        # inside a longer one; only full credit is correct.
+        "contains the right digits": (right + "0", False),
+    }
+    for what, (output, correct) in outputs.items():
+        row = evaluate.score_case(case, output)
+        assert row["score"] == verifier(row["answer"], case["entry"]), what
+        assert row["correct"] is correct, (what, row)
+        assert row["correct"] == (row["score"] == 1.0)
+    partial = evaluate.score_case(case, right + "0")
+    assert 0 < partial["score"] < 1
+
+
+def test_test_table_row_has_what_the_report_reads():
+    row = evaluate.score_case(_case("gcd"), "no idea")
+    assert set(row) >= {"case_id", "family", "prompt", "output", "answer", "expected", "score", "correct"}
+    assert row["prompt"].endswith(tasks.INSTRUCTION)
+    assert row["score"] == 0.0 and row["correct"] is False
+
+
+# --- a tiny model with the real tokenizer ----------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tiny_seed_home):
+    from transformers import AutoTokenizer
+
+    (seed_dir,) = (tiny_seed_home / "seeds").glob("random-*")
+    return AutoTokenizer.from_pretrained(seed_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # A larger init than the seed's makes the logits peaked: greedy decoding
+    # then writes varied text instead of repeating one token, so a wrong
+    # position or a leaking pad would change the outputs.
+    config_ = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config_).eval()
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    questions = ["What is 2+2?", "Find the GCD of 12 and 18. This question is much longer than the others are.", "hi", "Count the r in strawberry"]
+    return [chat.prompt_ids(tokenizer, tasks.task_messages(q)) for q in questions * 2]
+
+
+def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model, tokenizer):
+    prompts = _prompts(tokenizer)
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    common = {"max_new_tokens": 12, "stop": evaluate.stop_ids(tokenizer), "pad_id": evaluate.padding_id(tokenizer)}
+    alone = evaluate.generate(model, prompts, batch_size=1, **common)
+    batched = evaluate.generate(model, prompts, batch_size=3, **common)
+    assert batched == alone
+    assert len({tuple(g.tokens) for g in alone}) > 1
+    assert all(len(g.tokens) == 12 and not g.finished for g in alone)
+
+
+def test_generation_stops_at_end_of_turn(model, tokenizer):
+    prompts = _prompts(tokenizer)[:4]
+    pad = evaluate.padding_id(tokenizer)
+    free = evaluate.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=evaluate.stop_ids(tokenizer), pad_id=pad)
+    # Pretend the fourth token the first prompt produces ends a turn.
+    stop = free[0].tokens[3]
+    cut = evaluate.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=[stop], pad_id=pad)
+    assert cut[0].finished and cut[0].tokens == free[0].tokens[: free[0].tokens.index(stop)]
+    for before, after in zip(free[1:], cut[1:]):
+        if stop not in before.tokens:
+            assert after == before
+
+
+@dataclass(frozen=True)
+class Doc:
+    doc_id: str
+    kind: str
+    input_ids: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+def _plain_nll(model, doc: Doc) -> tuple[float, int]:
+    """One document alone, no padding: the sum of -log p(token i | tokens < i) over targets."""
+    with torch.no_grad():
+        logits = model(torch.tensor([doc.input_ids])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    targets = [i for i in range(1, len(doc.input_ids)) if doc.weights[i] > 0]
+    return -sum(logp[i - 1, doc.input_ids[i]].item() for i in targets), len(targets)
+
+
+def test_retention_nll_equals_one_document_at_a_time(model, tokenizer):
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for k, n in enumerate((40, 7, 23, 40, 15)):
+        ids = torch.randint(0, len(tokenizer), (n,), generator=gen).tolist()
+        weights = [0.0] * n
+        for i in range(n // 3, n):
+            weights[i] = 1.0 if i % 4 else 0.0  # two assistant turns with a prompt token between
+        docs.append(Doc(f"doc{k}", "retention", tuple(ids), tuple(weights)))
+    rows = evaluate.retention_nll(model, docs, batch_size=3)
+    assert [r["doc_id"] for r in rows] == [d.doc_id for d in docs]
+    for doc, row in zip(docs, rows):
+        total, count = _plain_nll(model, doc)
+        assert row["tokens"] == count
+        assert row["nll_sum"] == pytest.approx(total, rel=1e-5)
+        assert row["mean_nll"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_summary_is_strict_accuracy_per_family_and_document_weighted_nll():
+    cases = [
+        {"family": "gcd", "correct": True},
+        {"family": "gcd", "correct": False},
+        {"family": "products", "correct": False},
+        {"family": "products", "correct": False},
+    ]
+    retention = [{"tokens": 10, "mean_nll": 1.0}, {"tokens": 1000, "mean_nll": 3.0}]
+    m = evaluate.summarize(cases, retention, ["gcd", "products"])
+    assert m[tracking.M_ACCURACY] == 0.25
+    assert m[tracking.M_ACCURACY_PREFIX + "gcd"] == 0.5
+    assert m[tracking.M_ACCURACY_PREFIX + "products"] == 0.0
+    assert m[tracking.M_RETENTION_NLL] == 2.0
+
+
+def test_a_tokenizer_unlike_the_seeds_is_refused(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path)
+    other = AutoTokenizer.from_pretrained(tmp_path)
+    evaluate.check_tokenizer(other, tokenizer, "control")  # a copy matches
+    other.add_tokens(["<|extra|>"])
+    with pytest.raises(UserError, match=r"control: its tokenizer does not match the seed model's \(49153 tokens, the seed's has 49152\)"):
+        evaluate.check_tokenizer(other, tokenizer, "control")
+
+
+def test_an_empty_test_set_is_refused(model, tokenizer):
+    with pytest.raises(UserError, match="final test set is empty"):
+        evaluate.score_model(model, tokenizer, [], [], config.load("tiny").evaluate, "seed")
+
+
+# --- the evaluate step on tiny ---------------------------------------------------------
+def _runs(filter_string: str) -> list:
+    return tracking.search_runs("coopstudy", filter_string)
+
+
+@pytest.fixture
+def selected(prepared_tiny, tiny_seed_home):
+    """Prepared tiny inputs, both arms 'trained' (checkpoints that are copies
+    of the seed, recorded as train runs would record them) and selected."""
+    cfg = config.load("tiny")
+    (seed_dir,) = (Path(prepared_tiny.home) / "seeds").glob("random-*")
+    for arm in ("control", "compressed"):
+        fake_train_run(cfg, arm, seed_dir)
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    return cfg
+
+
+def _child_runs() -> dict[str, object]:
+    return {r.data.tags[tracking.TAG_MODEL]: r for r in _runs(f"tags.`{tracking.TAG_MODEL}` != ''")}
+
+
+def _table(run, artifact: str) -> list[dict]:
+    raw = json.loads(tracking.download_artifact(run.info.run_id, artifact).read_text())
+    return [dict(zip(raw["columns"], row)) for row in raw["data"]]
+
+
+@pytest.mark.slow
+def test_evaluate_scores_three_models_in_child_runs(selected, cli):
+    done = cli("evaluate", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("seed", "control", "compressed"):
+        assert f"{name} " in done.stdout
+    (parent,) = [r for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'evaluate'") if tracking.TAG_MODEL not in r.data.tags]
+    assert parent.info.status == "FINISHED"
+    children = _child_runs()
+    assert set(children) == {"seed", "control", "compressed"}
+    prepared_test = [json.loads(line) for line in next(Path(workspace.home(), "prepared").glob("*/test.jsonl")).read_text().splitlines()]
+    families = config.load("tiny").data.families
+    for name, run in children.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.tags[tracking.TAG_STAGE] == tracking.STAGE_EVALUATE
+        m = run.data.metrics
+        assert set(m) >= {tracking.M_ACCURACY, tracking.M_RETENTION_NLL, *(tracking.M_ACCURACY_PREFIX + f for f in families)}
+        cases = _table(run, tracking.ART_TEST_TABLE)
+        assert [c["case_id"] for c in cases] == [c["case_id"] for c in prepared_test]
+        assert all(c["correct"] == (c["score"] == 1.0) for c in cases)
+        assert m[tracking.M_ACCURACY] == sum(c["correct"] for c in cases) / len(cases)
+        docs = _table(run, tracking.ART_RETENTION_TABLE)
+        assert len(docs) == config.load("tiny").data.retention_docs
+        assert all(d["tokens"] > 0 and d["mean_nll"] == pytest.approx(d["nll_sum"] / d["tokens"]) for d in docs)
+    # The candidates are copies of the seed: the same scores, case by case.
+    assert _table(children["seed"], tracking.ART_TEST_TABLE) == _table(children["compressed"], tracking.ART_TEST_TABLE)
+
+
+def _failed_evaluate_error() -> str:
+    (run,) = _runs(f"tags.`{tracking.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
+    return run.data.tags[tracking.TAG_ERROR]
+
+
+@pytest.mark.slow
+def test_evaluate_refuses_a_candidate_whose_tokenizer_differs(selected, capsys):
+    from transformers import AutoTokenizer
+
+    (entry,) = [e for e in _ledger_candidates() if e.details["arm"] == "control"]
+    path = Path(entry.details["path"])
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tok.save_pretrained(path)  # the weights, which the selection hashed, are untouched
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "control: its tokenizer does not match the seed model's" in err
+    assert "control: its tokenizer does not match" in _failed_evaluate_error()
+    assert not _child_runs()  # refused before any model was scored
+
+
+@pytest.mark.slow
+def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, capsys):
+    # Garbage weights recorded as such by a (broken) train run: the hashes
+    # agree, so only loading can tell.
+    cfg = config.load("tiny")
+    (seed_dir,) = (Path(prepared_tiny.home) / "seeds").glob("random-*")
+    fake_train_run(cfg, "control", seed_dir)
+    fake_train_run(cfg, "compressed", seed_dir, corrupt=True)
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "compressed: the checkpoint in" in err and "cannot be loaded" in err
+    assert "Traceback" not in err
+    assert "cannot be loaded" in _failed_evaluate_error()
+    assert not _child_runs()  # refused before any model was scored
+
+
+def test_evaluate_refuses_an_empty_test_set(monkeypatch, capsys, tmp_path):
+    from coopstudy import candidates, data
+
+    # An empty prepared test cannot come out of prepare (the config forbids
+    # it), so the step is given one.
+    monkeypatch.setattr(candidates, "verified_selection", lambda cfg, ledger: candidates.Selection({}, "run0"))
+    empty = data.Prepared(folder=tmp_path, digest="0" * 64, train=[], retention=[], test=[], schedule=[], manifest={})
+    monkeypatch.setattr(data, "load_prepared", lambda cfg: empty)
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    assert f"the final test set in {tmp_path} is empty" in capsys.readouterr().err
+    assert "is empty" in _failed_evaluate_error()
+
+
+def _ledger_candidates():
+    from coopstudy import ledger
+
+    return [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]

@@ -1,0 +1,120 @@
+"""The equivalence gate: it passes on the real sources with real gloo ranks,
+fails by name when the normalization is broken, and its receipt binds the
+numerical sources and library versions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from coopstudy import cli as cli_mod, config, gate, ledger, tracking
+from coopstudy.errors import RefusedError
+
+PACKAGE = Path(gate.__file__).resolve().parent
+
+
+def _gate_runs() -> list:
+    client = MlflowClient(tracking_uri=tracking.tracking_uri())
+    exp = client.get_experiment_by_name("coopstudy")
+    return client.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_VERIFY}'")
+
+
+def test_verify_passes_and_its_receipt_binds_the_numerical_sources(cli, tmp_path):
+    done = cli("verify", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr
+    assert "gate passed" in done.stdout
+    for case in gate.gate_cases():
+        assert case.name[:20] in done.stdout
+
+    entry = ledger.Ledger().latest(ledger.GATE, gate.SUBJECT)
+    sha, files = gate.numerical_sources_sha256()
+    assert entry.details["sources_sha256"] == sha and entry.details["sources"] == files
+    assert entry.details["max_rel_error"] <= gate.TOLERANCE
+
+    (run,) = _gate_runs()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[tracking.TAG_GATE] == entry.digest
+    assert run.data.tags[tracking.TAG_COMMITMENT_PREFIX + ledger.GATE] == entry.digest
+    assert run.data.metrics[tracking.M_GATE_MAX_REL_ERROR] <= gate.TOLERANCE
+    receipt = json.loads(Path(tracking.download_artifact(run.info.run_id, tracking.ART_GATE_RECEIPT, tmp_path)).read_text())
+    assert gate.receipt_digest(receipt) == entry.digest
+    assert receipt["passed"] and receipt["libraries"] == gate.library_versions()
+    assert {row["case"] for row in receipt["rows"]} == {c.name for c in gate.gate_cases()}
+    assert {row["update"] for row in receipt["rows"]} == {1, 2}
+
+    assert gate.require_gate_receipt() == entry
+    # The same sources elsewhere still match; one edited byte in a copy does not.
+    copy = tmp_path / "sources"
+    copy.mkdir()
+    for name in gate.SOURCES:
+        shutil.copy(PACKAGE / name, copy / name)
+    assert gate.require_gate_receipt(directory=copy) == entry
+    with open(copy / "objective.py", "a") as fh:
+        fh.write("\n")
+    with pytest.raises(RefusedError, match=r"numerical sources changed since the gate receipt: objective.py; run `python -m coopstudy verify`"):
+        gate.require_gate_receipt(directory=copy)
+
+
+def _divide_by_microbatch_weight() -> None:
+    """The classic mistake: each microbatch normalized by its own weight."""
+    from coopstudy import objective
+
+    def broken(net, mb, total_weight, world_size):
+        weighted_sum = net(mb.input_ids, mb.attention_mask, mb.weights)
+        share = weighted_sum / mb.weights.sum()
+        return share * world_size, share.detach()
+
+    objective.microbatch_loss = broken
+
+
+def test_the_gate_fails_and_names_quantity_and_case_when_normalization_is_broken():
+    result = gate.run_gate(config.load("tiny"), rank_setup=_divide_by_microbatch_weight)
+    assert not result.passed
+    failing_cases = {row.case for row in result.rows if not row.passed}
+    assert failing_cases == {c.name for c in gate.gate_cases()}
+    message = "\n".join(result.failures)
+    assert "case 'weights-on-one-rank', update 1, rank 0: loss (batched" in message
+    assert "case 'partial-final-microbatch', update 1, rank 1: grad_norm (batched" in message
+    assert "exp_avg model." in message and "differs by" in message
+
+
+def test_no_receipt_means_training_is_refused():
+    with pytest.raises(RefusedError, match=r"no gate receipt for the numerical sources in .*; run `python -m coopstudy verify`"):
+        gate.require_gate_receipt()
+
+
+def test_a_receipt_from_other_library_versions_is_refused():
+    sha, files = gate.numerical_sources_sha256()
+    libs = gate.library_versions() | {"torch": "0.0.1"}
+    ledger.Ledger().append(ledger.GATE, gate.SUBJECT, "0" * 64, {"sources_sha256": sha, "sources": files, "libraries": libs})
+    with pytest.raises(RefusedError, match=r"library versions changed since the gate receipt: torch 0.0.1 -> "):
+        gate.require_gate_receipt()
+
+
+def test_a_failed_gate_is_recorded_and_commits_nothing(monkeypatch, capsys):
+    bad = gate.Row("unequal-lengths", 1, 0, {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0, "loss": 0.5, "grad_norm": 0.0},
+                   {"param": "", "exp_avg": "", "exp_avg_sq": "", "loss": "batched 2, reference 1", "grad_norm": ""})  # fmt: skip
+    monkeypatch.setattr(gate, "run_gate", lambda cfg: gate.GateResult(rows=[bad], seconds=0.1, failures=gate._failure(bad)))
+    assert cli_mod.main(["verify", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "coopstudy verify: error: equivalence gate failed: case 'unequal-lengths', update 1, rank 0: "
+        "loss (batched 2, reference 1) differs by 0.5 relative (tolerance 1e-09)"
+    )
+    assert ledger.Ledger().latest(ledger.GATE, gate.SUBJECT) is None
+    (run,) = _gate_runs()
+    assert run.info.status == "FAILED"
+    assert run.data.metrics[tracking.M_GATE_MAX_REL_ERROR] == 0.5
+
+
+def test_verify_help_says_what_the_gate_checks():
+    from coopstudy.stages import verify
+
+    text = " ".join(verify.DESCRIPTION.split())
+    assert f"relative error of {gate.TOLERANCE:.0e}" in text
+    assert ", ".join(c.name for c in gate.gate_cases()) in text
+    assert ", ".join(gate.SOURCES) in text and repr(gate.SUBJECT) in text

@@ -1,0 +1,152 @@
+"""The objective and the update in one process: global normalization, the
+per-document reference, precision, warmup."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from coopstudy import batching, config, objective, update
+from coopstudy.distributed import DistContext
+from coopstudy.gate import gate_model
+
+ONE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+
+
+@dataclass(frozen=True)
+class Doc:
+    input_ids: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+def documents(n: int = 8, seed: int = 0) -> list[Doc]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        prompt, answer = rng.randrange(1, 30), rng.randrange(1, 6)
+        ids = tuple(rng.randrange(1, 256) for _ in range(prompt + answer))
+        docs.append(Doc(ids, (0.0,) * prompt + (rng.choice([1.0, 8.0]),) * answer))
+    return docs
+
+
+def batched(docs, microbatch: int, precision: str = "fp64") -> tuple[list[batching.Microbatch], float]:
+    plan = batching.plan_update(docs, list(range(len(docs))), 0, 1, microbatch)
+    dtype = objective.param_dtype(precision)
+    return [batching.collate([docs[i] for i in mb], weight_dtype=dtype) for mb in plan.microbatches], plan.total_weight
+
+
+def trainer(lm, cfg):
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+    return optimizer, update.build_scheduler(optimizer, cfg.train.warmup_updates)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return config.load("tiny")
+
+
+def max_rel(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).abs().max() / q.abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("grad_clip", [None, 0.05])
+def test_batched_update_matches_the_per_document_reference(cfg, grad_clip):
+    docs = documents()
+    lm, ref = gate_model(0), gate_model(0)
+    opt, sched = trainer(lm, cfg)
+    ref_opt, ref_sched = trainer(ref, cfg)
+    net = objective.WeightedNLL(lm)
+    for _ in range(2):
+        mbs, total = batched(docs, 3)
+        got = update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64", grad_clip=grad_clip)
+        want = update.reference_update(ref, ref_opt, ref_sched, docs, total, precision="fp64", grad_clip=grad_clip)
+        assert got.loss == pytest.approx(want.loss, rel=1e-12)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-12)
+        assert got.lr == want.lr
+        assert got.tokens == want.tokens == sum(len(d.input_ids) for d in docs)
+        assert max_rel(lm, ref) < 1e-12
+
+
+def test_loss_and_gradient_do_not_depend_on_the_microbatch_size(cfg):
+    docs = documents(seed=1)
+    results = []
+    for microbatch in (1, 3, 8):
+        lm = gate_model(0)
+        net = objective.WeightedNLL(lm)
+        mbs, total = batched(docs, microbatch)
+        opt, sched = trainer(lm, cfg)
+        result = update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64")
+        results.append((result.loss, result.grad_norm, [p.grad.clone() for p in lm.parameters()]))
+    (loss, norm, grads), *others = results
+    for other_loss, other_norm, other_grads in others:
+        assert other_loss == pytest.approx(loss, rel=1e-12)
+        assert other_norm == pytest.approx(norm, rel=1e-12)
+        assert max(float((g - h).abs().max()) for g, h in zip(grads, other_grads)) < 1e-12
+
+
+def test_padding_and_prompt_tokens_add_nothing():
+    docs = documents(4, seed=2)
+    net = objective.WeightedNLL(gate_model(0))
+    # The pad id is arbitrary: padded positions weigh 0 and come after every real token.
+    sums = [float(net(*_tensors(batching.collate(docs, weight_dtype=torch.float64, pad_id=pad)))) for pad in (0, 7, 255)]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-14) and sums[0] == pytest.approx(sums[2], rel=1e-14)
+    # All weights zero: nothing to predict, the sum is exactly zero.
+    silent = [Doc(d.input_ids, (0.0,) * len(d.weights)) for d in docs]
+    assert float(net(*_tensors(batching.collate(silent, weight_dtype=torch.float64)))) == 0.0
+
+
+def _tensors(mb: batching.Microbatch):
+    return mb.input_ids, mb.attention_mask, mb.weights
+
+
+def test_microbatch_loss_divides_by_the_global_weight_and_scales_by_the_workers():
+    class Fixed(torch.nn.Module):
+        def forward(self, ids, mask, weights):
+            return torch.tensor(6.0)
+
+    mb = batching.collate([Doc((1, 2, 3), (0.0, 1.0, 1.0))])
+    loss, share = objective.microbatch_loss(Fixed(), mb, total_weight=12.0, world_size=2)
+    # The share of L_k is 6/12 whatever this microbatch's own weight (2) is;
+    # backward sees it doubled because DDP halves it again.
+    assert float(share) == 0.5
+    assert float(loss) == 1.0
+
+
+def test_bf16_autocast_keeps_parameters_gradients_and_moments_in_fp32(cfg):
+    docs = documents(seed=3)
+    lm = update.cast_for_training(gate_model(0), "bf16")
+    reference = copy.deepcopy(lm)
+    opt, sched = trainer(lm, cfg)
+    mbs, total = batched(docs, 4, precision="bf16")
+    result = update.run_update(objective.WeightedNLL(lm), opt, sched, mbs, total, ONE, precision="bf16")
+    assert {p.dtype for p in lm.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in lm.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
+    fp32 = update.reference_update(reference, *trainer(reference, cfg), docs, total, precision="fp32")
+    # bf16 matmuls: close to the fp32 loss, not equal to it.
+    assert result.loss == pytest.approx(fp32.loss, rel=2e-2)
+    assert result.loss != fp32.loss
+
+
+def test_learning_rate_warms_up_linearly_then_stays_constant(cfg):
+    lm = gate_model(0)
+    docs = documents(2, seed=4)
+    mbs, total = batched(docs, 2)
+    net = objective.WeightedNLL(lm)
+    for warmup, expected in [(2, [0.5, 1, 1, 1]), (3, [1 / 3, 2 / 3, 1, 1]), (0, [1, 1, 1, 1])]:
+        opt = update.build_optimizer(lm.parameters(), cfg.train)
+        sched = update.build_scheduler(opt, warmup)
+        lrs = [update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64").lr for _ in expected]
+        assert lrs == pytest.approx([cfg.train.lr * f for f in expected], rel=1e-12)
+
+
+def test_a_global_batch_without_targets_is_refused(cfg):
+    lm = gate_model(0)
+    opt, sched = trainer(lm, cfg)
+    mb = batching.collate([Doc((1, 2), (0.0, 0.0))], weight_dtype=torch.float64)
+    with pytest.raises(ValueError, match="no weighted token"):
+        update.run_update(objective.WeightedNLL(lm), opt, sched, [mb], 0.0, ONE, precision="fp64")

@@ -1,0 +1,254 @@
+"""probe on the tiny preset, through the real CLI: one run per candidate under a
+parent, a receipt per candidate on disk and in the ledger, and a candidate
+that exceeds the emulated device's capacity recorded as out of memory without
+ending the sweep.
+
+`probed_tiny_store` (prepare, verify, probe on tiny, once per session) is
+also what test_plan.py and test_train.py start from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from coopstudy import config, gate, ledger, plan, probe, tracking
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+# Test modules that import the fixture each get their own session-scoped copy
+# of it; this keeps the work itself to once per session.
+_made: dict[str, object] = {}
+
+ONE_CANDIDATE_FAILS = "probe.device_capacity_mb=64"
+"""Below what any training process needs just to load torch: certainly out of memory."""
+TWO_CONTROL_CANDIDATES = 'probe.candidates=[{"arm":"control","microbatch":4},{"arm":"control","microbatch":2}]'
+
+
+@dataclass(frozen=True)
+class ProbedStore:
+    home: Path
+    db: Path
+    probe_run: subprocess.CompletedProcess
+    """What `probe --preset tiny` printed."""
+
+    def env(self) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": f"sqlite:///{self.db}", "COOPSTUDY_HOME": str(self.home)}
+
+
+@pytest.fixture(scope="session")
+def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> ProbedStore:
+    """The prepared tiny store, verified and probed with the preset's grid."""
+    if "probed" not in _made:
+        base = tmp_path_factory.mktemp("probed-tiny")
+        home, db = base / "home", base / "mlflow.db"
+        shutil.copytree(prepared_tiny_store.home, home)
+        shutil.copy(prepared_tiny_store.db, db)
+        env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "COOPSTUDY_HOME": str(home)}
+        verified = run_cli("verify", "--preset", "tiny", env=env)
+        assert verified.returncode == 0, verified.stderr[-3000:]
+        probed = run_cli("probe", "--preset", "tiny", env=env)
+        assert probed.returncode == 0, probed.stderr[-3000:]
+        _made["probed"] = ProbedStore(home, db, probed)
+    return _made["probed"]  # type: ignore[return-value]
+
+
+def copy_store(store: ProbedStore, dst: Path, monkeypatch: pytest.MonkeyPatch) -> ProbedStore:
+    """A copy the caller may change, with the environment pointing at it."""
+    copy = ProbedStore(dst / "home", dst / "mlflow.db", store.probe_run)
+    shutil.copytree(store.home, copy.home)
+    shutil.copy(store.db, copy.db)
+    for key, value in copy.env().items():
+        monkeypatch.setenv(key, value)
+    return copy
+
+
+@pytest.fixture
+def probed_tiny(probed_tiny_store, tmp_path, monkeypatch) -> ProbedStore:
+    return copy_store(probed_tiny_store, tmp_path, monkeypatch)
+
+
+def _runs(filter_string: str) -> list:
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("coopstudy")
+    return client.search_runs([exp.experiment_id], filter_string)
+
+
+def _sweep(name: str) -> tuple:
+    (parent,) = _runs(f"attributes.run_name = '{name}'")
+    children = _runs(f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return parent, {run.data.tags[tracking.TAG_PROBE_SETTING]: run for run in children}
+
+
+def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(probed_tiny, tmp_path):
+    cfg = config.load("tiny")
+    parent, children = _sweep("probe-tiny")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags[tracking.TAG_STAGE] == tracking.STAGE_PROBE
+    assert set(children) == {"control-mb4-default", "compressed-mb3-default"}
+    receipts = plan.probe_receipts(cfg)
+    assert sorted(receipts) == ["compressed-mb3-default.json", "control-mb4-default.json"]
+    entries = {e.subject.rsplit("/", 1)[1]: e for e in ledger.Ledger().entries() if e.kind == probe.LEDGER_KIND}
+    sources_sha, _ = gate.numerical_sources_sha256()
+    for name, run in children.items():
+        receipt = receipts[f"{name}.json"]
+        assert run.info.status == "FINISHED" and run.data.tags[tracking.TAG_PROBE_OUTCOME] == "completed"
+        assert receipt["outcome"] == "completed" and receipt["message"] is None
+        assert receipt["run_id"] == run.info.run_id
+        assert run.data.params[f"arms.{receipt['setting']['arm']}.microbatch"] == str(receipt["setting"]["microbatch"])
+        # The real loop ran probe.updates updates, timed one by one.
+        seconds = receipt["update_seconds"]
+        assert len(seconds) == cfg.probe.updates and all(s > 0 for s in seconds)
+        assert receipt["median_update_seconds"] == statistics.median(seconds)
+        assert run.data.metrics[tracking.M_PROBE_MEDIAN_SECONDS] == pytest.approx(receipt["median_update_seconds"])
+        assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, tracking.M_LOSS)) == cfg.probe.updates
+        assert receipt["complete_seconds"] > sum(seconds)
+        # Memory of every rank, under the preset's capacity; CPU figures only.
+        ranks = receipt["memory_by_rank"]
+        assert len(ranks) == receipt["setting"]["workers"]
+        assert all(100 < r["peak_rss_mb"] < cfg.probe.device_capacity_mb for r in ranks.values())
+        assert all("cuda_max_allocated_mb" not in r for r in ranks.values())
+        assert receipt["device_type"] == "cpu"
+        # What it ran on and with.
+        assert receipt["libraries"]["torch"] == gate.library_versions()["torch"]
+        assert receipt["sources"]["numerical_sha256"] == sources_sha
+        assert receipt["inputs"]["sha256"] == run.data.tags[tracking.TAG_REQUIRES_PREFIX + ledger.INPUTS]
+        # Kept: on disk, hashed in the ledger and on the run.
+        assert entries[name].digest == run.data.tags[tracking.TAG_PROBE_RECEIPT]
+        stored = json.loads(tracking.download_artifact(run.info.run_id, tracking.ART_PROBE_RECEIPT, tmp_path / name).read_text())
+        assert stored == receipt
+    # No checkpoint: probes keep no weights.
+    assert not (probed_tiny.home / "checkpoints").exists()
+
+
+def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probed_tiny, tmp_path):
+    out = probed_tiny.probe_run.stdout
+    assert "largest microbatch that completed, per arm and allocator" in out
+    assert "control-mb4-default: completed" in out and "compressed-mb3-default: completed" in out
+    parent, _ = _sweep("probe-tiny")
+    choice = json.loads(tracking.download_artifact(parent.info.run_id, tracking.ART_PROBE_CHOICE, tmp_path).read_text())
+    assert choice["control"]["default"]["largest_completed_microbatch"] == 4
+    assert choice["compressed"]["default"]["largest_completed_microbatch"] == 3
+    assert choice["control"]["default"]["failed"] == []
+    assert parent.data.metrics[tracking.M_PROBE_COMPLETED] == 2 and parent.data.metrics[tracking.M_PROBE_FAILED] == 0
+    # Nothing was written back into the preset.
+    assert config.load("tiny").arms.control.microbatch == 4
+
+
+def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes_on(probed_tiny):
+    overrides = ("--set", ONE_CANDIDATE_FAILS, TWO_CONTROL_CANDIDATES)
+    done = run_cli("probe", "--preset", "tiny", *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent, children = _sweep("probe-tiny")  # the new sweep's parent: a new probe key, same name
+    # Both candidates were tried: the first failure did not end the sweep.
+    assert set(children) == {"control-mb4-default", "control-mb2-default"}, done.stdout
+    cfg = config.load("tiny", overrides[1:])
+    receipts = plan.probe_receipts(cfg)
+    for name, run in children.items():
+        assert run.info.status == "FAILED"
+        assert run.data.tags[tracking.TAG_PROBE_OUTCOME] == "out_of_memory"
+        receipt = receipts[f"{name}.json"]
+        assert receipt["outcome"] == "out_of_memory"
+        assert "exceeds the device capacity 64 MiB" in receipt["message"]
+        assert "DeviceOutOfMemory" in run.data.tags[f"{tracking.TAG_WORKER_ERROR_PREFIX}0"]
+        assert receipt["median_update_seconds"] is None and receipt["update_seconds"] == []
+        assert receipt["memory_by_rank"]["0"]["peak_rss_mb"] > 64
+    assert "out_of_memory" in done.stdout and "none" in done.stdout
+    assert parent.info.status == "FINISHED" and parent.data.metrics[tracking.M_PROBE_FAILED] == 2
+    # The plan will not pretend: the preset's setting failed its probe.
+    refused = run_cli("plan", "--preset", "tiny", *overrides)
+    assert refused.returncode == 2
+    assert "arms.control.microbatch 4 with the expandable allocator failed its probe (out_of_memory" in refused.stderr
+
+
+def _sweep_of(setting: str) -> tuple:
+    """(parent, children) of the probe sweep whose candidate runs include `setting`."""
+    (child,) = _runs(f"tags.`{tracking.TAG_PROBE_SETTING}` = '{setting}'")
+    parent = mlflow.MlflowClient().get_run(child.data.tags["mlflow.parentRunId"])
+    return parent, child
+
+
+def test_probe_refuses_without_a_gate_receipt(prepared_tiny):
+    done = run_cli("probe", "--preset", "tiny")
+    assert done.returncode == 2
+    assert "no gate receipt" in done.stderr and "verify" in done.stderr
+    (failed,) = _runs("attributes.run_name = 'probe-tiny'")
+    assert failed.info.status == "FAILED"
+
+
+def test_probe_refuses_a_grid_listing_a_setting_twice(prepared_tiny):
+    done = run_cli("probe", "--preset", "tiny", "--set", 'probe.candidates=[{"arm":"control","microbatch":4},{"arm":"control","microbatch":4}]')
+    assert done.returncode == 2
+    assert "probe.candidates lists control-mb4-default twice" in done.stderr
+
+
+def _rank(outcome: str, error: str | None = None, seconds: tuple[float, ...] = (), device: str = "cpu", rank: int = 0) -> dict:
+    return {
+        "rank": rank, "outcome": outcome, "error": error, "update_seconds": list(seconds),
+        "memory": {"peak_rss_mb": 500.0}, "device": device, "device_name": "x", "host": "h",
+    }
+
+
+def _receipt(ranks: dict, returncode: int, workers: int = 2) -> dict:
+    launched = probe.Launched(returncode, 10.0, "exit code 1" if returncode else "exit code 0")
+    return probe.make_receipt(
+        arm="compressed", microbatch=8, allocator="default", workers=workers, updates=3, capacity_mb=None,
+        run_id="r", launched=launched, ranks=ranks, hourly_price_usd=1.0, context={},
+    )
+
+
+def test_outcome_out_of_memory_wins_over_the_rank_the_launcher_stopped():
+    r = _receipt({0: _rank("error", "Stopped: stopped by SIGTERM"), 1: _rank("out_of_memory", "OutOfMemoryError: CUDA out of memory", rank=1)}, 1)
+    assert r["outcome"] == "out_of_memory" and r["message"] == "rank 1: OutOfMemoryError: CUDA out of memory"
+
+
+def test_outcome_error_names_a_rank_that_left_no_report_and_costs_its_devices():
+    r = _receipt({0: _rank("error", "ValueError: bad")}, 1)
+    assert r["outcome"] == "error"
+    assert r["message"] == "exit code 1; rank 0: ValueError: bad; rank 1 left no report (killed from outside, or out of host memory)"
+    assert r["cost_usd"] == pytest.approx(2 * 10.0 / 3600)
+    done = _receipt({0: _rank("completed", seconds=(3.0, 1.0, 2.0)), 1: _rank("completed", seconds=(3.0, 1.0, 2.0), rank=1)}, 0)
+    assert done["outcome"] == "completed" and done["median_update_seconds"] == 2.0
+
+
+def test_choose_takes_the_largest_completed_microbatch_per_arm_and_allocator():
+    def rec(mb: int, alloc: str, outcome: str, median: float | None) -> dict:
+        return {"setting": {"arm": "control", "microbatch": mb, "allocator": alloc, "name": f"control-mb{mb}-{alloc}"},
+                "outcome": outcome, "median_update_seconds": median}
+
+    choice = probe.choose([rec(16, "default", "out_of_memory", None), rec(8, "default", "completed", 2.0),
+                           rec(16, "expandable", "completed", 3.0), rec(12, "expandable", "completed", 2.5)])
+    assert choice["control"]["default"] == {"largest_completed_microbatch": 8, "median_update_seconds": 2.0,
+                                            "receipt": "control-mb8-default", "failed": [16]}
+    assert choice["control"]["expandable"]["largest_completed_microbatch"] == 16
+    assert choice["control"]["expandable"]["median_update_seconds"] == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_capacity_is_the_allocators_and_its_figures_are_kept(prepared_tiny_store, tmp_path, monkeypatch):
+    shutil.copytree(prepared_tiny_store.home, tmp_path / "home")
+    shutil.copy(prepared_tiny_store.db, tmp_path / "mlflow.db")
+    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run_cli("verify", "--preset", "tiny").returncode == 0
+    grid = 'probe.candidates=[{"arm":"control","microbatch":4,"allocator":"expandable"}]'
+    for capacity, outcome in ((8, "out_of_memory"), (4096, "completed")):
+        done = run_cli("probe", "--preset", "tiny", "--set", grid, f"probe.device_capacity_mb={capacity}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        (receipt,) = plan.probe_receipts(config.load("tiny", [grid, f"probe.device_capacity_mb={capacity}"])).values()
+        assert receipt["outcome"] == outcome, receipt["message"]
+        memory = receipt["memory_by_rank"]["0"]
+        assert {"cuda_max_allocated_mb", "cuda_max_reserved_mb", "cuda_reserved_unallocated_mb", "cuda_alloc_retries"} <= set(memory)
+        assert memory["cuda_max_reserved_mb"] <= capacity
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None

@@ -1,0 +1,255 @@
+"""The report step on a fake but complete study record in the test's store."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from analysis import records
+from coopstudy import cli as cli_main
+from coopstudy import config, tracking
+from coopstudy.errors import RefusedError, UserError
+
+PLAN = "ab" * 32
+CANDIDATE = {"control": "c0" * 32, "compressed": "c1" * 32}
+FAMILIES = ("gcd", "products", "letter_counting", "chain_sum")
+
+
+SEED = "5e" * 32
+
+
+def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -> str:
+    devices = getattr(cfg.arms, arm).workers
+    tags = {tracking.TAG_CHECKPOINT_SHA: CANDIDATE[arm], tracking.TAG_SEED_SHA: SEED} | ({tracking.TAG_PLAN: plan} if plan else {})
+    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm=arm, tags=tags) as rec:
+        for update in range(1, cfg.train.updates + 1):
+            dense = arm == "compressed" and update <= cfg.powersgd.dense_updates
+            rec.log_metrics(
+                {
+                    tracking.M_LOSS: 3.0 / update + (0.01 if arm == "compressed" else 0.0),
+                    tracking.M_GRAD_NORM: 1.0 / update,
+                    tracking.M_LR: 1e-3,
+                    tracking.M_UPDATE_SECONDS: active / cfg.train.updates * (1 + 0.1 * (update % 2)),
+                    tracking.M_TOKENS: 1000.0 + update,
+                    tracking.M_BYTES: 0.0 if arm == "control" else (40_000.0 if dense else 5_000.0),
+                },
+                step=update,
+            )
+        dense_bytes = 0.0 if arm == "control" else 40_000.0 * cfg.powersgd.dense_updates
+        compressed_bytes = 0.0 if arm == "control" else 5_000.0 * (cfg.train.updates - cfg.powersgd.dense_updates)
+        rec.log_metrics(
+            {
+                tracking.M_ACTIVE_SECONDS: active,
+                tracking.M_COMPLETE_SECONDS: complete,
+                tracking.M_CHECKPOINT_SECONDS: 1.25,
+                tracking.M_DEVICE_SECONDS: devices * complete,
+                tracking.M_BYTES_DENSE: dense_bytes,
+                tracking.M_BYTES_COMPRESSED: compressed_bytes,
+                tracking.M_BYTES_TOTAL: dense_bytes + compressed_bytes,
+                tracking.M_PEAK_RSS_MB: 800.0,
+                tracking.M_COST_USD: 0.0,
+            }
+        )
+        return rec.run_id
+
+
+def _case_rows(correct: list[float]) -> list[dict]:
+    return [
+        {"case_id": f"case-{i:04d}", "family": FAMILIES[i % 4], "prompt": "q", "completion": "a", "score": s, "correct": s >= 1.0}
+        for i, s in enumerate(correct)
+    ]
+
+
+def _retention_rows(shift: float) -> list[dict]:
+    # One document has no target tokens left (cut at max_context): no evidence.
+    rows = [{"doc_id": "doc-empty", "kind": "replay", "tokens": 0, "nll_sum": 0.0, "mean_nll": None}]
+    for i in range(8):
+        tokens = 20 + 5 * i
+        # A tiny, document-dependent change keeps the paired spread non-zero.
+        mean = 2.0 + 0.05 * i + shift * (1 + 0.1 * (i % 3))
+        rows.append({"doc_id": f"doc-{i}", "kind": "replay", "tokens": tokens, "nll_sum": mean * tokens, "mean_nll": mean})
+    return rows
+
+
+def make_study(
+    cfg,
+    *,
+    plan: str | None = None,
+    models: tuple[str, ...] = ("seed", "control", "compressed"),
+    compressed_active: float = 40.0,
+) -> dict[str, str]:
+    """A complete study record: both train runs, select, evaluate with one child per model.
+
+    200 test cases; seed right on 40, control and compressed on the same 120
+    (+40 points, no discordant pairs); retention NLL barely moves; the
+    compressed arm is 1.5x faster (by default) in active and 1.33x in complete time.
+    """
+    ids = {
+        "train/control": _train(cfg, "control", active=60.0, complete=80.0, plan=plan),
+        "train/compressed": _train(cfg, "compressed", active=compressed_active, complete=60.0, plan=plan),
+    }
+    tags = {tracking.TAG_CANDIDATE_PREFIX + arm: sha for arm, sha in CANDIDATE.items()}
+    tags |= {tracking.TAG_CANDIDATE_RUN_PREFIX + arm: ids[f"train/{arm}"] for arm in CANDIDATE}
+    with tracking.stage_run(tracking.STAGE_SELECT, cfg, tags=tags | ({tracking.TAG_PLAN: plan} if plan else {})) as rec:
+        ids["select"] = rec.run_id
+    outcomes = {
+        "seed": [1.0] * 40 + [0.5] * 20 + [0.0] * 140,
+        "control": [1.0] * 120 + [0.0] * 80,
+        "compressed": [1.0] * 120 + [0.0] * 80,
+    }
+    shifts = {"seed": 0.0, "control": 0.001, "compressed": 0.002}
+    plan_tags = {tracking.TAG_PLAN: plan} if plan else {}
+    with tracking.stage_run(tracking.STAGE_EVALUATE, cfg, tags=plan_tags):
+        for model in models:
+            weights = {tracking.TAG_CHECKPOINT_SHA: CANDIDATE.get(model, SEED)}
+            with tracking.stage_run(tracking.STAGE_EVALUATE, cfg, tags={tracking.TAG_MODEL: model} | weights | plan_tags) as rec:
+                rec.log_table(_case_rows(outcomes[model]), tracking.ART_TEST_TABLE)
+                rec.log_table(_retention_rows(shifts[model]), tracking.ART_RETENTION_TABLE)
+                rec.log_metrics({tracking.M_ACCURACY: sum(s >= 1.0 for s in outcomes[model]) / 200})
+                ids[f"evaluate/{model}"] = rec.run_id
+    return ids
+
+
+@pytest.fixture
+def tiny():
+    return config.load("tiny")
+
+
+def _report(capsys, *args: str) -> tuple[int, str, str]:
+    """The report step in this process (cheaper than a subprocess), as the CLI runs it."""
+    rc = cli_main.main(["report", "--preset", "tiny", *args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _report_runs() -> list:
+    return tracking.search_runs("coopstudy", f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_REPORT}'")
+
+
+def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
+    ids = make_study(tiny)
+    rc, first_out, err = _report(capsys, "--out", str(tmp_path / "a"))
+    assert rc == 0, err
+    assert "Pre-registered screens" in first_out and "quality: PASS" in first_out
+
+    report = json.loads((tmp_path / "a" / tracking.ART_REPORT_JSON).read_text())
+    assert report["verdicts"] == {"quality": "pass", "speed": "pass"}
+    assert report["runs"] == dict(sorted(ids.items()))
+    assert report["candidates"] == CANDIDATE
+    assert report["study"]["grouped_by"] == "config"
+    assert report["study"]["key"] == tracking.config_sha256(tiny)
+    by_name = {s["name"]: s for s in report["screens"]}
+    assert by_name["accuracy_gain"]["estimate"] == pytest.approx(0.40)
+    assert by_name["accuracy_gain"]["run_ids"] == {"evaluate/compressed": ids["evaluate/compressed"], "evaluate/seed": ids["evaluate/seed"]}
+    assert by_name["noninferiority"]["estimate"] == 0.0
+    assert by_name["active_speedup"]["estimate"] == pytest.approx(1.5)
+    assert by_name["complete_speedup"]["estimate"] == pytest.approx(80 / 60)
+    for s in report["screens"]:
+        assert {"estimate", "bound", "interval", "threshold", "verdict", "method", "run_ids"} <= s.keys()
+    assert report["resources"]["device_seconds_ratio"] == pytest.approx(120 / 80)
+    assert report["accuracy"]["seed"]["families"]["all"]["correct"] == 40  # partial credit is not correct
+
+    # Rebuilt by a fresh process from the tracking store alone, run as a user
+    # would from another working directory, into another folder: the same bytes.
+    second = subprocess.run(
+        [sys.executable, "-m", "coopstudy", "report", "--preset", "tiny", "--out", str(tmp_path / "b")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert second.returncode == 0, second.stderr
+    assert (tmp_path / "a" / "report.json").read_bytes() == (tmp_path / "b" / "report.json").read_bytes()
+
+    runs = _report_runs()
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    run = runs[0]
+    assert run.data.tags[tracking.TAG_VERDICT_PREFIX + "quality"] == "pass"
+    assert run.data.tags[tracking.TAG_VERDICT_PREFIX + "speed"] == "pass"
+    assert run.data.metrics[f"{tracking.M_SCREEN_PREFIX}active_speedup/estimate"] == pytest.approx(1.5)
+    logged = tracking.download_artifact(run.info.run_id, tracking.ART_REPORT_JSON, tmp_path / "dl")
+    assert logged.read_bytes() == (tmp_path / "b" / "report.json").read_bytes()
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {tracking.ART_REPORT_JSON, tracking.ART_REPORT_MD, tracking.ART_REPORT_HTML} <= artifacts
+
+    # The cost figures sit beside; no dense-communication claim anywhere.
+    md = (tmp_path / "a" / tracking.ART_REPORT_MD).read_text()
+    page = (tmp_path / "a" / tracking.ART_REPORT_HTML).read_text()
+    assert page.count("data:image/png;base64,") == 5
+    text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)
+    for body in (md, text, json.dumps(report), first_out):
+        assert not re.search(r"reduc|saving|saved|less communication", body, re.I)
+    assert "device-seconds" in md and "bytes sent, dense phase" in md
+
+
+def test_failed_screens_are_a_result_not_an_error(capsys, tiny, tmp_path):
+    ids = make_study(tiny, compressed_active=58.0)
+    # Later runs of the compressed arm, one FAILED and one FINISHED but never
+    # selected, are evidence: the screens time the run whose weights were selected.
+    _train(tiny, "compressed", active=10.0, complete=12.0, plan=None)
+    with pytest.raises(RuntimeError):
+        with tracking.stage_run(tracking.STAGE_TRAIN, tiny, arm="compressed") as rec:
+            rec.log_metrics({tracking.M_ACTIVE_SECONDS: 1.0, tracking.M_COMPLETE_SECONDS: 1.0})
+            raise RuntimeError("out of memory")
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    by_name = {s["name"]: s for s in report["screens"]}
+    assert by_name["active_speedup"]["estimate"] == pytest.approx(60 / 58)
+    assert by_name["active_speedup"]["verdict"] == "fail"
+    assert by_name["active_speedup"]["run_ids"]["train/compressed"] == ids["train/compressed"]
+    assert report["verdicts"] == {"quality": "pass", "speed": "fail"}
+    assert "speed: FAIL" in out
+
+
+def test_missing_role_is_refused_by_name(capsys, tiny):
+    make_study(tiny, models=("seed", "control"))
+    rc, _, err = _report(capsys)
+    assert rc == 2
+    sha = tracking.config_sha256(tiny)
+    assert "no FINISHED evaluate run for model compressed" in err
+    assert f"config sha {sha}" in err
+    assert len(err.strip().splitlines()) == 1
+    # The refusal is on record as a FAILED report run.
+    (run,) = _report_runs()
+    assert run.info.status == "FAILED"
+
+
+def test_plan_groups_the_study(tiny):
+    ids = make_study(tiny, plan=PLAN)
+    recs = records.load(tiny, PLAN)
+    assert recs.key.kind == "plan" and recs.plan == PLAN
+    assert recs.runs == ids
+    assert set(recs.updates["arm"]) == {"control", "compressed"}
+    assert len(recs.updates) == 2 * tiny.train.updates
+    assert recs.train.set_index("arm").loc["compressed", "run_id"] == ids["train/compressed"]
+    assert math.isclose(recs.train.set_index("arm").loc["control", "device_seconds"], 80.0)
+    with pytest.raises(RefusedError, match="no FINISHED train run for arm control"):
+        records.load(tiny, "cd" * 32)
+
+
+def test_report_config_must_be_the_studys(tiny):
+    # The thresholds come from the report's config: a changed one finds no
+    # study under its own sha, and under the study's plan it is refused.
+    make_study(tiny, plan=PLAN)
+    other = config.load("tiny", ["screens.min_speedup=1.0"])
+    with pytest.raises(RefusedError, match=f"config sha {tracking.config_sha256(other)}"):
+        records.load(other)
+    with pytest.raises(RefusedError, match="call report with the study's preset"):
+        records.load(other, PLAN)
+
+
+def test_evaluated_weights_must_be_the_selected_ones(tiny):
+    make_study(tiny)
+    with tracking.stage_run(tracking.STAGE_EVALUATE, tiny, tags={tracking.TAG_MODEL: "compressed", tracking.TAG_CHECKPOINT_SHA: "ee" * 32}):
+        pass
+    with pytest.raises(RefusedError, match="scored compressed weights eeeeeeeeeeee, not the committed c1c1c1c1c1c1"):
+        records.load(tiny)
+
+
+def test_plan_argument_must_be_a_sha(tiny):
+    with pytest.raises(UserError, match="--plan"):
+        records.study_key(tiny, "x' or 1=1")

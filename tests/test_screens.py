@@ -1,0 +1,221 @@
+"""Each screen against hand-computed cases: one that passes, one that fails."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from analysis import screens as sc
+from analysis.stats import PairedTable, newcombe_interval, tango_interval
+from coopstudy.config import ScreensConfig
+
+CFG = ScreensConfig()  # the frozen plan's thresholds: +10 pts, +0.02 nats at 99%, -3 pts at 95%, 1.10x
+
+
+def _pairs(n11: int, n10: int, n01: int, n00: int) -> tuple[list[bool], list[bool]]:
+    """Outcomes of models a and b that form this paired table."""
+    a = [True] * n11 + [True] * n10 + [False] * n01 + [False] * n00
+    b = [True] * n11 + [False] * n10 + [True] * n01 + [False] * n00
+    return a, b
+
+
+def _cases(outcomes: dict[str, list[bool]], partial: set[int] = frozenset()) -> pd.DataFrame:
+    """A tidy case table; cases listed in `partial` get score 0.5 (not correct) for every model."""
+    rows = []
+    for model, correct in outcomes.items():
+        for i, ok in enumerate(correct):
+            score = 0.5 if i in partial else float(ok)
+            rows.append({"model": model, "run_id": f"run-{model}", "case_id": f"c{i}", "family": ("gcd", "products")[i % 2],
+                         "score": score, "correct": score >= 1.0})
+    return pd.DataFrame(rows)
+
+
+def _gain_cases(n11: int, n10: int, n01: int, n00: int) -> pd.DataFrame:
+    compressed, seed = _pairs(n11, n10, n01, n00)
+    return _cases({"seed": seed, "control": compressed, "compressed": compressed})
+
+
+def _noninf_cases(n11: int, n10: int, n01: int, n00: int) -> pd.DataFrame:
+    compressed, control = _pairs(n11, n10, n01, n00)
+    return _cases({"seed": [False] * len(compressed), "control": control, "compressed": compressed})
+
+
+# --- screen 1: accuracy gain over the seed ----------------------------------
+
+
+def test_accuracy_gain_passes_on_the_point_estimate():
+    # 20 cases: compressed right on 16, seed on 11 -> +5/20 = +25 points.
+    s = sc.accuracy_gain(_gain_cases(10, 6, 1, 3), CFG)
+    assert s.estimate == pytest.approx(0.25)
+    assert s.details["accuracy_compressed"] == pytest.approx(16 / 20)
+    assert s.details["accuracy_seed"] == pytest.approx(11 / 20)
+    assert s.details["paired_table"] == {"both_correct": 10, "only_compressed": 6, "only_seed": 1, "neither": 3}
+    assert s.passed and s.verdict == "pass" and s.decided_on == "estimate" and s.bound is None
+    table = PairedTable(10, 6, 1, 3)
+    assert s.interval == pytest.approx(tuple(tango_interval(table, 0.95)[1:]))
+    assert s.details["newcombe_interval"] == pytest.approx(list(newcombe_interval(table, 0.95)[1:]))
+    assert s.details["tango_lower_clears_threshold"] is (s.interval[0] >= 0.10)
+    assert s.run_ids == {"evaluate/compressed": "run-compressed", "evaluate/seed": "run-seed"}
+
+
+def test_accuracy_gain_of_exactly_ten_points_passes():
+    # "at least 10 points": 3 - 1 = 2 of 20 cases is exactly +0.10.
+    s = sc.accuracy_gain(_gain_cases(5, 3, 1, 11), CFG)
+    assert s.estimate == 0.10
+    assert s.passed
+    assert s.details["tango_lower_clears_threshold"] is False
+
+
+def test_accuracy_gain_fails_below_ten_points():
+    # Cavo et al. (Fagerland et al. 2017, ch. 8) with the arms swapped:
+    # +0.0621, Tango [0.0054, 0.1240], Newcombe [0.0046, 0.1186].
+    s = sc.accuracy_gain(_gain_cases(59, 16, 6, 80), CFG)
+    assert s.estimate == pytest.approx(10 / 161)
+    assert s.interval == pytest.approx((0.0054, 0.1240), abs=5e-5)
+    assert s.details["newcombe_interval"] == pytest.approx([0.0046, 0.1186], abs=5e-5)
+    assert not s.passed and s.verdict == "fail"
+
+
+def test_partial_credit_is_not_correct():
+    # Compressed "solves" 4 cases only with partial credit: they count for nobody.
+    compressed, seed = _pairs(0, 4, 0, 16)
+    s = sc.accuracy_gain(_cases({"seed": seed, "control": compressed, "compressed": compressed}, partial={0, 1, 2, 3}), CFG)
+    assert s.estimate == 0.0
+    assert not s.passed
+
+
+# --- screen 3: non-inferiority against the control ---------------------------
+
+
+def test_noninferiority_fails_on_the_published_lower_limit():
+    # Cavo: compressed - control = -0.0621, Tango 95% [-0.1240, -0.0054];
+    # the lower limit is below -3 points.
+    s = sc.noninferiority(_noninf_cases(59, 6, 16, 80), CFG)
+    assert s.estimate == pytest.approx(-10 / 161)
+    assert s.bound == pytest.approx(-0.1240, abs=5e-5)
+    assert s.interval == pytest.approx((-0.1240, -0.0054), abs=5e-5)
+    assert s.details["newcombe_interval"] == pytest.approx([-0.1186, -0.0046], abs=5e-5)
+    assert s.decided_on == "lower bound" and s.comparison == ">"
+    assert not s.passed
+
+
+def test_noninferiority_passes_when_the_lower_limit_clears_the_margin():
+    # 400 identical outcomes: no discordant pair, so Tango's limits are the
+    # closed form -/+ z^2 / (n + z^2) = -0.0095, above -0.03.
+    s = sc.noninferiority(_noninf_cases(300, 0, 0, 100), CFG)
+    z = sps.norm.ppf(0.975)
+    assert s.estimate == 0.0
+    assert s.bound == pytest.approx(-z * z / (400 + z * z), abs=1e-9)
+    assert s.passed
+    assert s.run_ids == {"evaluate/compressed": "run-compressed", "evaluate/control": "run-control"}
+
+
+def test_noninferiority_with_few_cases_fails_even_when_equal():
+    # 16 identical outcomes: -z^2/(16 + z^2) = -0.194; too few cases to show it.
+    assert not sc.noninferiority(_noninf_cases(10, 0, 0, 6), CFG).passed
+
+
+# --- screen 2: retention ------------------------------------------------------
+
+
+def _retention(diffs: list[float], tokens: list[int], base: float = 2.0) -> pd.DataFrame:
+    rows = []
+    for model, shift in (("seed", [0.0] * len(diffs)), ("control", [0.0] * len(diffs)), ("compressed", diffs)):
+        for i, (d, t) in enumerate(zip(shift, tokens)):
+            mean = base + 0.1 * i + d
+            rows.append({"model": model, "run_id": f"run-{model}", "doc_id": f"d{i}", "tokens": t,
+                         "nll_sum": mean * t, "mean_nll": mean})
+    return pd.DataFrame(rows)
+
+
+def test_retention_fails_on_the_bound_although_the_mean_is_small():
+    # diffs 0.01, -0.01, 0, 0.02: mean 0.005; deviations 0.005, -0.015, -0.005,
+    # 0.015 -> s^2 = 500e-6 / 3, se = s / 2 = 0.0064550; t(0.99, 3) = 4.5407
+    # -> bound 0.005 + 0.029310 = 0.03431 > 0.02.
+    s = sc.retention(_retention([0.01, -0.01, 0.0, 0.02], [10, 20, 30, 40]), CFG)
+    assert s.estimate == pytest.approx(0.005)
+    assert s.bound == pytest.approx(0.005 + 4.540703 * math.sqrt(500e-6 / 3) / 2, rel=1e-6)
+    assert s.bound == pytest.approx(0.03431, abs=1e-5)
+    # token-weighted: (0.1 - 0.2 + 0 + 0.8) / 100 tokens = 0.007
+    assert s.details["token_weighted_estimate"] == pytest.approx(0.007)
+    assert s.details["documents"] == 4
+    assert s.decided_on == "upper bound" and s.comparison == "<"
+    assert not s.passed
+
+
+def test_retention_passes_when_the_bound_is_below_the_limit():
+    # diffs 0.001, 0.002, 0.003, 0.002: mean 0.002, s^2 = 2e-6 / 3, se = s / 2
+    # -> bound 0.002 + 4.5407 * 0.00040825 = 0.003854 < 0.02.
+    s = sc.retention(_retention([0.001, 0.002, 0.003, 0.002], [5, 5, 5, 5]), CFG)
+    assert s.estimate == pytest.approx(0.002)
+    assert s.bound == pytest.approx(0.003854, abs=1e-6)
+    assert s.details["token_weighted_estimate"] == pytest.approx(0.002)
+    assert s.passed
+    assert s.run_ids == {"evaluate/compressed": "run-compressed", "evaluate/seed": "run-seed"}
+
+
+def test_retention_leaves_out_documents_without_tokens():
+    table = _retention([0.001, 0.002, 0.003, 0.002, 0.0], [5, 5, 5, 5, 0])
+    table.loc[table["doc_id"] == "d4", ["nll_sum", "mean_nll"]] = [0.0, None]
+    s = sc.retention(table, CFG)
+    assert s.details["documents"] == 4 and s.details["documents_without_tokens"] == 1
+    assert s.bound == pytest.approx(0.003854, abs=1e-6)
+
+
+def test_retention_refuses_unpaired_documents():
+    table = _retention([0.0, 0.0, 0.0], [5, 5, 5])
+    table = table[~((table["model"] == "seed") & (table["doc_id"] == "d2"))]
+    with pytest.raises(ValueError, match="same retention documents"):
+        sc.retention(table, CFG)
+
+
+# --- screens 4 and 5: speed --------------------------------------------------
+
+
+def _train(control: tuple[float, float], compressed: tuple[float, float]) -> pd.DataFrame:
+    rows = []
+    for arm, (active, complete), devices in (("control", control, 1), ("compressed", compressed, 2)):
+        rows.append({"arm": arm, "run_id": f"run-{arm}", "active_seconds": active, "complete_seconds": complete,
+                     "device_seconds": devices * complete, "checkpoint_seconds": 1.5, "bytes_dense": 0.0 if devices == 1 else 4e6,
+                     "bytes_compressed": 0.0 if devices == 1 else 1e6, "bytes_total": 0.0 if devices == 1 else 5e6,
+                     "cost_usd": 0.25 * devices, "peak_rss_mb": 900.0, })
+    return pd.DataFrame(rows)
+
+
+def test_speedups_pass_and_fail_by_hand():
+    active, complete = sc.speedups(_train((120.0, 130.0), (100.0, 125.0)), CFG)
+    assert active.estimate == pytest.approx(1.2) and active.passed
+    assert complete.estimate == pytest.approx(1.04) and not complete.passed
+    assert complete.details == {"control_seconds": 130.0, "compressed_seconds": 125.0}
+    assert active.run_ids == {"train/control": "run-control", "train/compressed": "run-compressed"}
+
+
+def test_speedup_of_exactly_the_threshold_passes():
+    active, _ = sc.speedups(_train((110.0, 110.0), (100.0, 100.0)), CFG)
+    assert active.estimate == 1.1 and active.passed
+
+
+# --- verdicts and the figures beside ------------------------------------------
+
+
+def test_one_failing_screen_fails_its_group_only():
+    screens = sc.compute(_gain_cases(10, 6, 1, 3), _retention([0.001] * 4, [5] * 4),
+                         _train((120.0, 130.0), (100.0, 125.0)), CFG)
+    assert [s.name for s in screens] == [sc.ACCURACY_GAIN, sc.RETENTION, sc.NONINFERIORITY, sc.ACTIVE_SPEEDUP, sc.COMPLETE_SPEEDUP]
+    # Non-inferiority fails on 20 cases; complete-process speedup is 1.04.
+    assert sc.verdicts(screens) == {"quality": "fail", "speed": "fail"}
+    passing = [s for s in screens if s.passed]
+    assert sc.verdicts(passing) == {"quality": "pass", "speed": "pass"}
+
+
+def test_resources_are_reported_not_judged():
+    res = sc.resources(_train((120.0, 130.0), (100.0, 125.0)))
+    assert res["arms"]["control"]["device_seconds"] == 130.0
+    assert res["arms"]["compressed"]["device_seconds"] == 250.0
+    # Two devices finishing sooner hold more device time: 250 / 130.
+    assert res["device_seconds_ratio"] == pytest.approx(250 / 130)
+    assert res["arms"]["compressed"]["bytes_dense"] == 4e6
+    assert res["arms"]["compressed"]["run_id"] == "run-compressed"

@@ -1,0 +1,176 @@
+"""select commits each arm's final checkpoint once, by hash; evaluate refuses
+to score without that selection or when the weights changed after it.
+
+Train runs here are recorded as `train` records them (stage, arm, config sha,
+checkpoint sha256 and path) around a copy of the tiny seed, so select is
+tested on its own; the slow test at the end runs the real steps in order.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from coopstudy import candidates, cli, config, ledger, tracking, workspace
+from coopstudy.errors import RefusedError, UserError
+
+from fixtures_prepare import tiny_seed, tiny_seed_home  # noqa: F401 - fixtures
+
+
+def fake_train_run(cfg: config.Config, arm: str, seed_dir: Path, *, status: str = "FINISHED", corrupt: bool = False) -> tuple[str, Path]:
+    """A train run of `arm` whose final checkpoint is a copy of `seed_dir`:
+    (run id, checkpoint folder)."""
+    folder = workspace.subdir("checkpoints") / f"{arm}-{len(list(workspace.subdir('checkpoints').iterdir()))}"
+    shutil.copytree(seed_dir, folder)
+    if corrupt:
+        (folder / candidates.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+    tags = {
+        tracking.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / candidates.WEIGHTS_FILE),
+        tracking.TAG_CHECKPOINT_PATH: str(folder),
+    }
+    try:
+        with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
+            if status != "FINISHED":
+                raise UserError("training failed")
+    except UserError:
+        pass
+    return rec.run_id, folder
+
+
+def _tamper(folder: Path) -> None:
+    weights = folder / candidates.WEIGHTS_FILE
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF  # one bit pattern in the last tensor's data
+    weights.write_bytes(bytes(blob))
+
+
+def _runs(stage: str, status: str | None = None) -> list:
+    flt = f"tags.`{tracking.TAG_STAGE}` = '{stage}'" + (f" and attributes.status = '{status}'" if status else "")
+    return tracking.search_runs("coopstudy", flt)
+
+
+@pytest.fixture
+def cfg():
+    return config.load("tiny")
+
+
+@pytest.fixture
+def trained(cfg, tiny_seed):
+    """Both arms finished; arm -> (train run id, checkpoint folder)."""
+    return {arm: fake_train_run(cfg, arm, tiny_seed.path) for arm in candidates.ARMS}
+
+
+def _candidate_entries() -> list[ledger.Entry]:
+    return [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]
+
+
+def test_select_commits_both_candidates_once(cfg, trained, cli):
+    done = cli("select", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr
+    (select_run,) = _runs(tracking.STAGE_SELECT, "FINISHED")
+    study = tracking.config_sha256(cfg)
+    entries = _candidate_entries()
+    assert [e.subject for e in entries] == [f"{study}/control", f"{study}/compressed"]
+    for e in entries:
+        run_id, folder = trained[e.details["arm"]]
+        sha = workspace.sha256_file(folder / candidates.WEIGHTS_FILE)
+        assert e.digest == sha
+        assert e.details["select_run_id"] == select_run.info.run_id and e.details["train_run_id"] == run_id
+        assert select_run.data.tags[tracking.TAG_CANDIDATE_PREFIX + e.details["arm"]] == sha
+        assert select_run.data.tags[tracking.TAG_CANDIDATE_RUN_PREFIX + e.details["arm"]] == run_id
+        assert f"{e.details['arm']:<10} sha256 {sha}" in done.stdout
+
+    again = cli("select", "--preset", "tiny")
+    assert again.returncode == 2
+    assert "already selected at" in again.stderr and f"by select run {select_run.info.run_id}" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert len(_candidate_entries()) == 2  # the first selection stands
+    (refused,) = _runs(tracking.STAGE_SELECT, "FAILED")
+    assert select_run.info.run_id in refused.data.tags[tracking.TAG_ERROR]
+
+
+def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, capsys):
+    fake_train_run(cfg, "control", tiny_seed.path)
+    failed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path, status="FAILED")
+    assert cli.main(["select", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"arm compressed has not finished (its newest train run {failed_id} is FAILED)" in err
+    assert "control" not in err and "--arm compressed`" in err
+    assert not _candidate_entries()
+    assert _runs(tracking.STAGE_SELECT, "FAILED")
+
+
+def test_select_refuses_weights_changed_since_training(cfg, trained, capsys):
+    run_id, folder = trained["control"]
+    _tamper(folder)
+    assert cli.main(["select", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"arm control: the weights in {folder} hash to" in err and f"train run {run_id} recorded" in err
+    assert not _candidate_entries()
+
+
+def test_select_takes_the_newest_finished_run_of_this_config(cfg, tiny_seed):
+    fake_train_run(cfg, "control", tiny_seed.path)
+    newest_id, newest = fake_train_run(cfg, "control", tiny_seed.path)
+    fake_train_run(cfg, "control", tiny_seed.path, status="FAILED")  # newer, but failed
+    compressed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path)
+    other = config.load("tiny", ["train.lr=0.5"])
+    fake_train_run(other, "compressed", tiny_seed.path)  # another study
+    found = candidates.final_train_runs(cfg)
+    assert (found["control"].train_run_id, found["control"].path) == (newest_id, newest)
+    assert found["compressed"].train_run_id == compressed_id
+
+
+def test_select_refuses_a_train_run_without_a_checkpoint(cfg, trained):
+    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm="compressed", log_config=False) as rec:
+        pass
+    with pytest.raises(RefusedError, match=f"arm compressed: train run {rec.run_id} records no final checkpoint"):
+        candidates.final_train_runs(cfg)
+
+
+def test_evaluate_refuses_before_select(cfg, trained, cli):
+    done = cli("evaluate", "--preset", "tiny")
+    assert done.returncode == 2
+    assert "no final candidates selected for this study" in done.stderr
+    assert "run `python -m coopstudy select --preset tiny` first" in done.stderr
+    (failed,) = _runs(tracking.STAGE_EVALUATE, "FAILED")
+    assert "no final candidates selected" in failed.data.tags[tracking.TAG_ERROR]
+
+
+def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, capsys):
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    (select_run,) = _runs(tracking.STAGE_SELECT, "FINISHED")
+    _, folder = trained["compressed"]
+    _tamper(folder)
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"the compressed candidate selected at" in err and f"by select run {select_run.info.run_id}" in err
+    assert "they changed after selection, refusing to score them" in err
+    shutil.rmtree(folder)
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    assert f"the checkpoint weights {folder / candidates.WEIGHTS_FILE} are missing" in capsys.readouterr().err
+    assert len(_runs(tracking.STAGE_EVALUATE, "FAILED")) == 2
+
+
+@pytest.mark.slow
+def test_train_select_evaluate_in_order(cli):
+    """The acceptance path on tiny, every step through the real entry point."""
+    for step in (("prepare",), ("verify",), ("train", "--arm", "both")):
+        done = cli(*step, "--preset", "tiny")
+        assert done.returncode == 0, (step, done.stderr[-3000:])
+    refused = cli("evaluate", "--preset", "tiny")
+    assert refused.returncode == 2 and "no final candidates selected" in refused.stderr
+    done = cli("select", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = cli("evaluate", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    models = {r.data.tags.get(tracking.TAG_MODEL) for r in _runs(tracking.STAGE_EVALUATE, "FINISHED")}
+    assert models >= {"seed", "control", "compressed"}
+    again = cli("select", "--preset", "tiny")
+    assert again.returncode == 2 and "already selected" in again.stderr
+    (control,) = [e for e in _candidate_entries() if e.details["arm"] == "control"]
+    _tamper(Path(control.details["path"]))
+    refused = cli("evaluate", "--preset", "tiny")
+    assert refused.returncode == 2 and "changed after selection" in refused.stderr

@@ -1,0 +1,235 @@
+"""train on the tiny preset, through the real CLI: both arms side by side, the
+checkpoint on record, and a killed rank that ends the whole arm as FAILED.
+
+The module shares one store: prepare and verify run once (they are the
+prerequisites train checks), then every test reads the runs it made.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import mlflow
+import psutil
+import pytest
+
+from coopstudy import config, launch, lock, tracking, workspace
+from coopstudy.errors import RefusedError
+
+from conftest import ROOT, run_cli
+from fixtures_prepare import prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.slow
+
+KILL_UPDATES = 30
+"""Long enough a run that a rank can be killed while the others are mid-update."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_store(tmp_path_factory, prepared_tiny_store):
+    # Overrides conftest's per-test store: this module's tests share one,
+    # which starts as a copy of the session's prepared tiny store.
+    base = tmp_path_factory.mktemp("train-store")
+    shutil.copytree(prepared_tiny_store.home, base / "home")
+    shutil.copy(prepared_tiny_store.db, base / "mlflow.db")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
+        mp.setenv("COOPSTUDY_HOME", str(base / "home"))
+        mp.delenv("MLFLOW_RUN_ID", raising=False)
+        for args in (
+            ("prepare", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
+            ("verify", "--preset", "tiny"),
+        ):
+            done = run_cli(*args)
+            assert done.returncode == 0, done.stderr[-3000:]
+        yield base
+
+
+def _client() -> mlflow.MlflowClient:
+    return mlflow.MlflowClient()
+
+
+def _runs(filter_string: str) -> list:
+    exp = _client().get_experiment_by_name("coopstudy")
+    return _client().search_runs([exp.experiment_id], filter_string)
+
+
+def _history(run, name: str) -> list[float]:
+    return [m.value for m in sorted(_client().get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
+
+
+@pytest.fixture(scope="module")
+def both():
+    # As `mlflow run . -e train -P arm=both` does: a project run is created
+    # first and handed over in MLFLOW_RUN_ID; it becomes the parent of both arms.
+    project = _client().create_run(tracking.experiment_id("coopstudy")).info.run_id
+    done = run_cli("train", "--preset", "tiny", "--arm", "both", env={"MLFLOW_RUN_ID": project})
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent = _client().get_run(project)
+    children = _runs(f"tags.`mlflow.parentRunId` = '{project}'")
+    return parent, {run.data.tags[tracking.TAG_ARM]: run for run in children}, done
+
+
+def test_both_arms_sit_side_by_side_under_one_parent(both):
+    parent, arms, done = both
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "train-both-tiny"
+    assert set(arms) == {"control", "compressed"}
+    for arm, run in arms.items():
+        assert run.info.status == "FINISHED"
+        assert run.info.run_name == f"train-{arm}-tiny"
+        assert run.data.tags[tracking.TAG_STAGE] == tracking.STAGE_TRAIN
+        assert run.data.params["train.updates"] == "6"
+    # Control first, then compressed: never two training jobs at once.
+    assert arms["control"].info.end_time <= arms["compressed"].info.start_time
+    # Not a terminal: plain progress lines, one per update.
+    assert "train control: update 6/6 loss" in done.stderr
+
+
+def test_same_per_update_metrics_in_both_arms(both):
+    _, arms, _ = both
+    per_update = (tracking.M_LOSS, tracking.M_GRAD_NORM, tracking.M_LR, tracking.M_UPDATE_SECONDS, tracking.M_TOKENS, tracking.M_BYTES)
+    for run in arms.values():
+        for name in per_update:
+            steps = [m.step for m in _client().get_metric_history(run.info.run_id, name)]
+            assert sorted(steps) == [1, 2, 3, 4, 5, 6], (run.info.run_name, name)
+    assert _history(arms["control"], tracking.M_TOKENS) == _history(arms["compressed"], tracking.M_TOKENS)
+    assert _history(arms["control"], tracking.M_LR) == _history(arms["compressed"], tracking.M_LR)
+
+
+def test_update_one_loss_is_the_same_in_both_arms_and_dense_updates_stay_close(both):
+    _, arms, _ = both
+    control, compressed = _history(arms["control"], tracking.M_LOSS), _history(arms["compressed"], tracking.M_LOSS)
+    # Same seed weights, same global batch, fp32: only the summation order of
+    # microbatches and workers differs.
+    assert compressed[0] == pytest.approx(control[0], rel=1e-6)
+    dense = config.load("tiny").powersgd.dense_updates
+    for k in range(dense):
+        assert compressed[k] == pytest.approx(control[k], rel=1e-5), f"update {k + 1}"
+    grad_control, grad_compressed = _history(arms["control"], tracking.M_GRAD_NORM), _history(arms["compressed"], tracking.M_GRAD_NORM)
+    assert grad_compressed[0] == pytest.approx(grad_control[0], rel=1e-5)
+
+
+def test_run_level_timing_memory_bytes_and_cost(both):
+    _, arms, _ = both
+    for arm, run in arms.items():
+        m = run.data.metrics
+        assert 0 < m[tracking.M_ACTIVE_SECONDS] < m[tracking.M_COMPLETE_SECONDS]
+        assert 0 < m[tracking.M_CHECKPOINT_SECONDS] < m[tracking.M_COMPLETE_SECONDS]
+        assert m[tracking.M_ACTIVE_SECONDS] >= sum(_history(run, tracking.M_UPDATE_SECONDS)) * 0.999
+        workers = 2 if arm == "compressed" else 1
+        assert m[tracking.M_DEVICE_SECONDS] == pytest.approx(workers * m[tracking.M_COMPLETE_SECONDS])
+        assert m[tracking.M_COST_USD] == 0.0  # tiny: hourly_price_usd 0
+        assert m[tracking.M_PEAK_RSS_MB] > 100
+    control, compressed = arms["control"].data.metrics, arms["compressed"].data.metrics
+    assert control[tracking.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], tracking.M_BYTES)) == {0.0}
+    assert compressed[tracking.M_BYTES_DENSE] > 0 and compressed[tracking.M_BYTES_COMPRESSED] > 0
+    assert compressed[tracking.M_BYTES_TOTAL] > compressed[tracking.M_BYTES_DENSE] + compressed[tracking.M_BYTES_COMPRESSED]
+    # Compressed updates send less than dense ones.
+    sent = _history(arms["compressed"], tracking.M_BYTES)
+    assert max(sent[2:]) < min(sent[:2])
+
+
+def test_final_checkpoint_is_verified_kept_and_loadable(both, tmp_path):
+    _, arms, _ = both
+    from transformers import AutoModelForCausalLM
+
+    for run in arms.values():
+        tags = run.data.tags
+        folder = workspace.home() / "checkpoints" / run.info.run_id
+        assert tags[tracking.TAG_CHECKPOINT_PATH] == str(folder)
+        assert tags[tracking.TAG_CHECKPOINT_SHA] == workspace.sha256_file(folder / "model.safetensors")
+        logged = tracking.download_artifact(run.info.run_id, tracking.ART_CHECKPOINT, tmp_path / run.info.run_id)
+        assert workspace.sha256_file(logged / "model.safetensors") == tags[tracking.TAG_CHECKPOINT_SHA]
+        AutoModelForCausalLM.from_pretrained(folder)
+    # Trained weights, not the seed: the two arms end apart (PowerSGD is lossy).
+    assert arms["control"].data.tags[tracking.TAG_CHECKPOINT_SHA] != arms["compressed"].data.tags[tracking.TAG_CHECKPOINT_SHA]
+    seed_sha = arms["control"].data.tags[tracking.TAG_SEED_SHA]
+    assert seed_sha not in {run.data.tags[tracking.TAG_CHECKPOINT_SHA] for run in arms.values()}
+
+
+def _rank_processes(parent: psutil.Process) -> dict[int, psutil.Process]:
+    ranks = {}
+    for proc in parent.children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "coopstudy.train" in cmd:
+            local = next((a.split("=", 1)[1] for a in cmd if a.startswith("--local_rank=")), None)
+            if local is not None:
+                ranks[int(local)] = proc
+    return ranks
+
+
+def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run():
+    timeout = config.load("tiny").distributed.collective_timeout_s
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={KILL_UPDATES}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        # Wait until rank 0 has logged an update: both ranks are then inside
+        # the training loop, synchronizing every update.
+        deadline = time.monotonic() + 240
+        run = None
+        while time.monotonic() < deadline and stage.poll() is None:
+            found = _runs("attributes.run_name = 'train-compressed-tiny' and attributes.status = 'RUNNING'")
+            if found and _client().get_metric_history(found[0].info.run_id, tracking.M_LOSS):
+                run = found[0]
+                break
+            time.sleep(0.2)
+        assert run is not None, "no update was logged"
+
+        # While it trains, the job holds the devices: a second job is refused, naming it.
+        with pytest.raises(RefusedError, match=f"pid {stage.pid} "):
+            with lock.device_lock(launch.local_devices(2), "second job"):
+                pass
+
+        ranks = _rank_processes(psutil.Process(stage.pid))
+        assert set(ranks) == {0, 1}
+        killed_at = time.monotonic()
+        ranks[1].kill()
+        gone, alive = psutil.wait_procs([ranks[0]], timeout=timeout)
+        assert not alive, f"rank 0 still running {timeout} s after rank 1 was killed"
+        stage.wait(timeout=60)
+        ended_in = time.monotonic() - killed_at
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        stderr = stage.communicate()[1]
+
+    assert stage.returncode == 2, stderr[-3000:]
+    assert ended_in < timeout + 30
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("coopstudy train: error: compressed arm failed"), stderr[-3000:]
+    failed = _client().get_run(run.info.run_id)
+    assert failed.info.status == "FAILED"
+    error = failed.data.tags[tracking.TAG_ERROR]
+    assert "compressed arm failed (a rank was killed by SIGKILL)" in error, error
+    assert "rank 1 recorded no error" in error, error
+    assert f"{tracking.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
+    assert failed.data.metrics[tracking.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
+    assert len(_history(failed, tracking.M_LOSS)) < KILL_UPDATES
+    assert tracking.TAG_CHECKPOINT_SHA not in failed.data.tags
+    # Nothing keeps the devices once the job is gone.
+    with lock.device_lock(launch.local_devices(2), "after"):
+        pass
+
+
+def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
+    """What probes use: the same worker, a few updates, no final weights."""
+    cfg = config.load("tiny")
+    run_id = _client().create_run(tracking.experiment_id("coopstudy")).info.run_id
+    cmd = launch.command(cfg, "control", run_id, updates=2, checkpoint=False)
+    done = launch.run(cmd, launch.worker_environment(cfg, run_id), workers=1)
+    assert done.returncode == 0 and done.complete_seconds > 0
+    run = _client().get_run(run_id)
+    assert _history(run, tracking.M_LOSS) and len(_history(run, tracking.M_LOSS)) == 2
+    assert tracking.TAG_CHECKPOINT_SHA not in run.data.tags
+    assert tracking.M_CHECKPOINT_SECONDS not in run.data.metrics
+    assert not (workspace.home() / "checkpoints" / run_id).exists()
+    summary = tracking.download_artifact(run_id, tracking.ART_TRAIN_SUMMARY, tmp_path)
+    assert '"updates": 2' in summary.read_text()
