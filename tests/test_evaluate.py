@@ -16,7 +16,7 @@ from coopstudy import chat, cli, config, evaluate, tasks, tracking, workspace
 from coopstudy.errors import UserError
 
 from fixtures_prepare import prepared_tiny, prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
-from test_select import fake_train_run
+from test_select import PLAN, fake_train_run, planned  # noqa: F401 - fixture
 
 
 # --- answers ------------------------------------------------------------------
@@ -205,7 +205,7 @@ def _runs(filter_string: str) -> list:
 
 
 @pytest.fixture
-def selected(prepared_tiny, tiny_seed_home):
+def selected(prepared_tiny, planned):
     """Prepared tiny inputs, both arms 'trained' (checkpoints that are copies
     of the seed, recorded as train runs would record them) and selected."""
     cfg = config.load("tiny")
@@ -226,11 +226,11 @@ def _table(run, artifact: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_evaluate_scores_three_models_in_child_runs(selected, cli):
-    done = cli("evaluate", "--preset", "tiny")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
     for name in ("seed", "control", "compressed"):
-        assert f"{name} " in done.stdout
+        assert f"{name} " in out
     (parent,) = [r for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'evaluate'") if tracking.TAG_MODEL not in r.data.tags]
     assert parent.info.status == "FINISHED"
     children = _child_runs()
@@ -241,6 +241,7 @@ def test_evaluate_scores_three_models_in_child_runs(selected, cli):
         assert run.info.status == "FINISHED"
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert run.data.tags[tracking.TAG_STAGE] == tracking.STAGE_EVALUATE
+        assert run.data.tags[tracking.TAG_PLAN] == PLAN
         m = run.data.metrics
         assert set(m) >= {tracking.M_ACCURACY, tracking.M_RETENTION_NLL, *(tracking.M_ACCURACY_PREFIX + f for f in families)}
         cases = _table(run, tracking.ART_TEST_TABLE)
@@ -276,7 +277,7 @@ def test_evaluate_refuses_a_candidate_whose_tokenizer_differs(selected, capsys):
 
 
 @pytest.mark.slow
-def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, capsys):
+def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, planned, capsys):
     # Garbage weights recorded as such by a (broken) train run: the hashes
     # agree, so only loading can tell.
     cfg = config.load("tiny")
@@ -292,12 +293,12 @@ def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, caps
     assert not _child_runs()  # refused before any model was scored
 
 
-def test_evaluate_refuses_an_empty_test_set(monkeypatch, capsys, tmp_path):
+def test_evaluate_refuses_an_empty_test_set(planned, monkeypatch, capsys, tmp_path):
     from coopstudy import candidates, data
 
     # An empty prepared test cannot come out of prepare (the config forbids
     # it), so the step is given one.
-    monkeypatch.setattr(candidates, "verified_selection", lambda cfg, ledger: candidates.Selection({}, "run0"))
+    monkeypatch.setattr(candidates, "verified_selection", lambda cfg, plan_sha, ledger: candidates.Selection({}, "run0"))
     empty = data.Prepared(folder=tmp_path, digest="0" * 64, train=[], retention=[], test=[], schedule=[], manifest={})
     monkeypatch.setattr(data, "load_prepared", lambda cfg: empty)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2

@@ -10,7 +10,6 @@ also what test_plan.py and test_train.py start from.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,9 @@ pytestmark = pytest.mark.slow
 # of it; this keeps the work itself to once per session.
 _made: dict[str, object] = {}
 
+GRID = {f"{c.arm}-mb{c.microbatch}-{c.allocator}" for c in config.load("tiny").probe.candidates}
+PRESET_SETTINGS = ("control-mb4-default", "compressed-mb3-default")
+"""The tiny preset's own settings, which complete; any other candidate of its grid stands for a failure."""
 ONE_CANDIDATE_FAILS = "probe.device_capacity_mb=64"
 """Below what any training process needs just to load torch: certainly out of memory."""
 TWO_CONTROL_CANDIDATES = 'probe.candidates=[{"arm":"control","microbatch":4},{"arm":"control","microbatch":2}]'
@@ -84,24 +86,26 @@ def _runs(filter_string: str) -> list:
     return client.search_runs([exp.experiment_id], filter_string)
 
 
-def _sweep(name: str) -> tuple:
-    (parent,) = _runs(f"attributes.run_name = '{name}'")
+def _sweep(setting: str) -> tuple:
+    """(parent, {setting: child}) of the newest sweep that probed `setting`."""
+    child = _runs(f"tags.`{tracking.TAG_PROBE_SETTING}` = '{setting}'")[0]
+    parent = mlflow.MlflowClient().get_run(child.data.tags["mlflow.parentRunId"])
     children = _runs(f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     return parent, {run.data.tags[tracking.TAG_PROBE_SETTING]: run for run in children}
 
 
 def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(probed_tiny, tmp_path):
     cfg = config.load("tiny")
-    parent, children = _sweep("probe-tiny")
-    assert parent.info.status == "FINISHED"
+    parent, children = _sweep("control-mb4-default")
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "probe-tiny"
     assert parent.data.tags[tracking.TAG_STAGE] == tracking.STAGE_PROBE
-    assert set(children) == {"control-mb4-default", "compressed-mb3-default"}
+    assert set(children) == GRID
     receipts = plan.probe_receipts(cfg)
-    assert sorted(receipts) == ["compressed-mb3-default.json", "control-mb4-default.json"]
-    entries = {e.subject.rsplit("/", 1)[1]: e for e in ledger.Ledger().entries() if e.kind == probe.LEDGER_KIND}
-    sources_sha, _ = gate.numerical_sources_sha256()
-    for name, run in children.items():
-        receipt = receipts[f"{name}.json"]
+    assert sorted(receipts) == sorted(f"{name}.json" for name in GRID)
+    entries = {e.subject.rsplit("/", 1)[1]: e for e in ledger.Ledger().entries() if e.kind == ledger.PROBE}
+    (gate_entry,) = [e for e in ledger.Ledger().entries() if e.kind == ledger.GATE]
+    for name in PRESET_SETTINGS:
+        run, receipt = children[name], receipts[f"{name}.json"]
         assert run.info.status == "FINISHED" and run.data.tags[tracking.TAG_PROBE_OUTCOME] == "completed"
         assert receipt["outcome"] == "completed" and receipt["message"] is None
         assert receipt["run_id"] == run.info.run_id
@@ -121,12 +125,15 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         assert receipt["device_type"] == "cpu"
         # What it ran on and with.
         assert receipt["libraries"]["torch"] == gate.library_versions()["torch"]
-        assert receipt["sources"]["numerical_sha256"] == sources_sha
+        assert receipt["sources"]["numerical_sha256"] == gate_entry.details["sources_sha256"]
+        assert receipt["gate_receipt"] == gate_entry.digest
         assert receipt["inputs"]["sha256"] == run.data.tags[tracking.TAG_REQUIRES_PREFIX + ledger.INPUTS]
         # Kept: on disk, hashed in the ledger and on the run.
         assert entries[name].digest == run.data.tags[tracking.TAG_PROBE_RECEIPT]
         stored = json.loads(tracking.download_artifact(run.info.run_id, tracking.ART_PROBE_RECEIPT, tmp_path / name).read_text())
         assert stored == receipt
+    for name in GRID - set(PRESET_SETTINGS):
+        assert children[name].info.status == "FAILED" and receipts[f"{name}.json"]["outcome"] == "out_of_memory"
     # No checkpoint: probes keep no weights.
     assert not (probed_tiny.home / "checkpoints").exists()
 
@@ -135,12 +142,13 @@ def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probe
     out = probed_tiny.probe_run.stdout
     assert "largest microbatch that completed, per arm and allocator" in out
     assert "control-mb4-default: completed" in out and "compressed-mb3-default: completed" in out
-    parent, _ = _sweep("probe-tiny")
+    parent, _ = _sweep("control-mb4-default")
     choice = json.loads(tracking.download_artifact(parent.info.run_id, tracking.ART_PROBE_CHOICE, tmp_path).read_text())
     assert choice["control"]["default"]["largest_completed_microbatch"] == 4
     assert choice["compressed"]["default"]["largest_completed_microbatch"] == 3
     assert choice["control"]["default"]["failed"] == []
-    assert parent.data.metrics[tracking.M_PROBE_COMPLETED] == 2 and parent.data.metrics[tracking.M_PROBE_FAILED] == 0
+    assert parent.data.metrics[tracking.M_PROBE_COMPLETED] == 2
+    assert parent.data.metrics[tracking.M_PROBE_FAILED] == len(GRID) - 2
     # Nothing was written back into the preset.
     assert config.load("tiny").arms.control.microbatch == 4
 
@@ -149,7 +157,7 @@ def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes
     overrides = ("--set", ONE_CANDIDATE_FAILS, TWO_CONTROL_CANDIDATES)
     done = run_cli("probe", "--preset", "tiny", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
-    parent, children = _sweep("probe-tiny")  # the new sweep's parent: a new probe key, same name
+    parent, children = _sweep("control-mb2-default")
     # Both candidates were tried: the first failure did not end the sweep.
     assert set(children) == {"control-mb4-default", "control-mb2-default"}, done.stdout
     cfg = config.load("tiny", overrides[1:])
@@ -168,14 +176,7 @@ def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes
     # The plan will not pretend: the preset's setting failed its probe.
     refused = run_cli("plan", "--preset", "tiny", *overrides)
     assert refused.returncode == 2
-    assert "arms.control.microbatch 4 with the expandable allocator failed its probe (out_of_memory" in refused.stderr
-
-
-def _sweep_of(setting: str) -> tuple:
-    """(parent, children) of the probe sweep whose candidate runs include `setting`."""
-    (child,) = _runs(f"tags.`{tracking.TAG_PROBE_SETTING}` = '{setting}'")
-    parent = mlflow.MlflowClient().get_run(child.data.tags["mlflow.parentRunId"])
-    return parent, child
+    assert "arms.control.microbatch 4 with the expandable allocator failed its probe (control-mb4-default.json: out_of_memory" in refused.stderr
 
 
 def test_probe_refuses_without_a_gate_receipt(prepared_tiny):
@@ -251,4 +252,3 @@ def test_on_cuda_the_capacity_is_the_allocators_and_its_figures_are_kept(prepare
         memory = receipt["memory_by_rank"]["0"]
         assert {"cuda_max_allocated_mb", "cuda_max_reserved_mb", "cuda_reserved_unallocated_mb", "cuda_alloc_retries"} <= set(memory)
         assert memory["cuda_max_reserved_mb"] <= capacity
-    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None

@@ -1,9 +1,10 @@
 """select commits each arm's final checkpoint once, by hash; evaluate refuses
 to score without that selection or when the weights changed after it.
 
-Train runs here are recorded as `train` records them (stage, arm, config sha,
-checkpoint sha256 and path) around a copy of the tiny seed, so select is
-tested on its own; the slow test at the end runs the real steps in order.
+Train runs here are recorded as `train` records them (stage, arm, plan sha,
+checkpoint sha256 and path) around a copy of the tiny seed, under a plan that
+`planned` stands in for, so select is tested on its own through the CLI's
+`main`; the slow test at the end runs the real steps in order.
 """
 
 from __future__ import annotations
@@ -13,15 +14,28 @@ from pathlib import Path
 
 import pytest
 
-from coopstudy import candidates, cli, config, ledger, tracking, workspace
+from coopstudy import candidates, cli, config, ledger, plan, tracking, workspace
 from coopstudy.errors import RefusedError, UserError
 
+from conftest import run_cli
 from fixtures_prepare import tiny_seed, tiny_seed_home  # noqa: F401 - fixtures
 
+PLAN = "ab" * 32
+"""The plan sha the `planned` fixture stands in for."""
 
-def fake_train_run(cfg: config.Config, arm: str, seed_dir: Path, *, status: str = "FINISHED", corrupt: bool = False) -> tuple[str, Path]:
-    """A train run of `arm` whose final checkpoint is a copy of `seed_dir`:
-    (run id, checkpoint folder)."""
+
+@pytest.fixture
+def planned(monkeypatch) -> str:
+    """A committed, unchanged plan (making a real one takes prepare, verify and probe)."""
+    monkeypatch.setattr(plan, "require_plan", lambda cfg: PLAN)
+    return PLAN
+
+
+def fake_train_run(
+    cfg: config.Config, arm: str, seed_dir: Path, *, plan_sha: str = PLAN, status: str = "FINISHED", corrupt: bool = False
+) -> tuple[str, Path]:
+    """A train run of `arm` under `plan_sha` whose final checkpoint is a copy
+    of `seed_dir`: (run id, checkpoint folder)."""
     folder = workspace.subdir("checkpoints") / f"{arm}-{len(list(workspace.subdir('checkpoints').iterdir()))}"
     shutil.copytree(seed_dir, folder)
     if corrupt:
@@ -29,6 +43,7 @@ def fake_train_run(cfg: config.Config, arm: str, seed_dir: Path, *, status: str 
     tags = {
         tracking.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / candidates.WEIGHTS_FILE),
         tracking.TAG_CHECKPOINT_PATH: str(folder),
+        tracking.TAG_PLAN: plan_sha,
     }
     try:
         with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
@@ -57,7 +72,7 @@ def cfg():
 
 
 @pytest.fixture
-def trained(cfg, tiny_seed):
+def trained(cfg, tiny_seed, planned):
     """Both arms finished; arm -> (train run id, checkpoint folder)."""
     return {arm: fake_train_run(cfg, arm, tiny_seed.path) for arm in candidates.ARMS}
 
@@ -66,13 +81,13 @@ def _candidate_entries() -> list[ledger.Entry]:
     return [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]
 
 
-def test_select_commits_both_candidates_once(cfg, trained, cli):
-    done = cli("select", "--preset", "tiny")
-    assert done.returncode == 0, done.stderr
+def test_select_commits_both_candidates_once(cfg, trained, capsys):
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
     (select_run,) = _runs(tracking.STAGE_SELECT, "FINISHED")
-    study = tracking.config_sha256(cfg)
+    assert select_run.data.tags[tracking.TAG_PLAN] == PLAN
     entries = _candidate_entries()
-    assert [e.subject for e in entries] == [f"{study}/control", f"{study}/compressed"]
+    assert [e.subject for e in entries] == [f"{PLAN}/control", f"{PLAN}/compressed"]
     for e in entries:
         run_id, folder = trained[e.details["arm"]]
         sha = workspace.sha256_file(folder / candidates.WEIGHTS_FILE)
@@ -80,18 +95,18 @@ def test_select_commits_both_candidates_once(cfg, trained, cli):
         assert e.details["select_run_id"] == select_run.info.run_id and e.details["train_run_id"] == run_id
         assert select_run.data.tags[tracking.TAG_CANDIDATE_PREFIX + e.details["arm"]] == sha
         assert select_run.data.tags[tracking.TAG_CANDIDATE_RUN_PREFIX + e.details["arm"]] == run_id
-        assert f"{e.details['arm']:<10} sha256 {sha}" in done.stdout
+        assert f"{e.details['arm']:<10} sha256 {sha}" in out
 
-    again = cli("select", "--preset", "tiny")
-    assert again.returncode == 2
-    assert "already selected at" in again.stderr and f"by select run {select_run.info.run_id}" in again.stderr
-    assert "Traceback" not in again.stderr
+    assert cli.main(["select", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"the final candidates of plan {PLAN[:12]} were already selected at" in err
+    assert f"by select run {select_run.info.run_id}" in err
     assert len(_candidate_entries()) == 2  # the first selection stands
     (refused,) = _runs(tracking.STAGE_SELECT, "FAILED")
     assert select_run.info.run_id in refused.data.tags[tracking.TAG_ERROR]
 
 
-def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, capsys):
+def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, planned, capsys):
     fake_train_run(cfg, "control", tiny_seed.path)
     failed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path, status="FAILED")
     assert cli.main(["select", "--preset", "tiny"]) == 2
@@ -111,32 +126,42 @@ def test_select_refuses_weights_changed_since_training(cfg, trained, capsys):
     assert not _candidate_entries()
 
 
-def test_select_takes_the_newest_finished_run_of_this_config(cfg, tiny_seed):
+def test_select_takes_the_newest_finished_run_of_the_plan(cfg, tiny_seed):
     fake_train_run(cfg, "control", tiny_seed.path)
     newest_id, newest = fake_train_run(cfg, "control", tiny_seed.path)
     fake_train_run(cfg, "control", tiny_seed.path, status="FAILED")  # newer, but failed
     compressed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path)
-    other = config.load("tiny", ["train.lr=0.5"])
-    fake_train_run(other, "compressed", tiny_seed.path)  # another study
-    found = candidates.final_train_runs(cfg)
+    fake_train_run(cfg, "compressed", tiny_seed.path, plan_sha="cd" * 32)  # another plan
+    found = candidates.final_train_runs(cfg, PLAN)
     assert (found["control"].train_run_id, found["control"].path) == (newest_id, newest)
     assert found["compressed"].train_run_id == compressed_id
 
 
 def test_select_refuses_a_train_run_without_a_checkpoint(cfg, trained):
-    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm="compressed", log_config=False) as rec:
+    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm="compressed", log_config=False, tags={tracking.TAG_PLAN: PLAN}) as rec:
         pass
     with pytest.raises(RefusedError, match=f"arm compressed: train run {rec.run_id} records no final checkpoint"):
-        candidates.final_train_runs(cfg)
+        candidates.final_train_runs(cfg, PLAN)
 
 
-def test_evaluate_refuses_before_select(cfg, trained, cli):
-    done = cli("evaluate", "--preset", "tiny")
-    assert done.returncode == 2
-    assert "no final candidates selected for this study" in done.stderr
-    assert "run `python -m coopstudy select --preset tiny` first" in done.stderr
+def test_select_and_evaluate_refuse_without_a_plan():
+    for step in ("select", "evaluate"):
+        done = run_cli(step, "--preset", "tiny")
+        assert done.returncode == 2
+        assert f"coopstudy {step}: error: no plan commitment" in done.stderr
+        assert "Traceback" not in done.stderr
+        (failed,) = _runs(step, "FAILED")
+        assert "no plan commitment" in failed.data.tags[tracking.TAG_ERROR]
+
+
+def test_evaluate_refuses_before_select(cfg, trained, capsys):
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"no final candidates selected under plan {PLAN[:12]}" in err
+    assert "run `python -m coopstudy select --preset tiny` first" in err
     (failed,) = _runs(tracking.STAGE_EVALUATE, "FAILED")
     assert "no final candidates selected" in failed.data.tags[tracking.TAG_ERROR]
+    assert failed.data.tags[tracking.TAG_PLAN] == PLAN
 
 
 def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, capsys):
@@ -155,22 +180,22 @@ def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, c
 
 
 @pytest.mark.slow
-def test_train_select_evaluate_in_order(cli):
+def test_train_select_evaluate_in_order():
     """The acceptance path on tiny, every step through the real entry point."""
-    for step in (("prepare",), ("verify",), ("train", "--arm", "both")):
-        done = cli(*step, "--preset", "tiny")
+    for step in (("prepare",), ("verify",), ("probe",), ("plan",), ("train", "--arm", "both")):
+        done = run_cli(*step, "--preset", "tiny")
         assert done.returncode == 0, (step, done.stderr[-3000:])
-    refused = cli("evaluate", "--preset", "tiny")
+    refused = run_cli("evaluate", "--preset", "tiny")
     assert refused.returncode == 2 and "no final candidates selected" in refused.stderr
-    done = cli("select", "--preset", "tiny")
+    done = run_cli("select", "--preset", "tiny")
     assert done.returncode == 0, done.stderr[-3000:]
-    done = cli("evaluate", "--preset", "tiny")
+    done = run_cli("evaluate", "--preset", "tiny")
     assert done.returncode == 0, done.stderr[-3000:]
     models = {r.data.tags.get(tracking.TAG_MODEL) for r in _runs(tracking.STAGE_EVALUATE, "FINISHED")}
     assert models >= {"seed", "control", "compressed"}
-    again = cli("select", "--preset", "tiny")
+    again = run_cli("select", "--preset", "tiny")
     assert again.returncode == 2 and "already selected" in again.stderr
     (control,) = [e for e in _candidate_entries() if e.details["arm"] == "control"]
     _tamper(Path(control.details["path"]))
-    refused = cli("evaluate", "--preset", "tiny")
+    refused = run_cli("evaluate", "--preset", "tiny")
     assert refused.returncode == 2 and "changed after selection" in refused.stderr

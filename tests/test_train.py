@@ -20,7 +20,7 @@ from coopstudy import config, launch, lock, tracking, workspace
 from coopstudy.errors import RefusedError
 
 from conftest import ROOT, run_cli
-from fixtures_prepare import prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
+from test_probe import probed_tiny_store  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +29,21 @@ KILL_UPDATES = 30
 
 
 @pytest.fixture(scope="module", autouse=True)
-def isolated_store(tmp_path_factory, prepared_tiny_store):
+def isolated_store(tmp_path_factory, probed_tiny_store):  # noqa: F811 - the fixture it starts from
     # Overrides conftest's per-test store: this module's tests share one,
-    # which starts as a copy of the session's prepared tiny store.
+    # which starts as a copy of the session's prepared, verified and probed
+    # tiny store. Train requires a plan for each config it runs.
     base = tmp_path_factory.mktemp("train-store")
-    shutil.copytree(prepared_tiny_store.home, base / "home")
-    shutil.copy(prepared_tiny_store.db, base / "mlflow.db")
+    shutil.copytree(probed_tiny_store.home, base / "home")
+    shutil.copy(probed_tiny_store.db, base / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
         mp.setenv("COOPSTUDY_HOME", str(base / "home"))
         mp.delenv("MLFLOW_RUN_ID", raising=False)
         for args in (
             ("prepare", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
-            ("verify", "--preset", "tiny"),
+            ("plan", "--preset", "tiny"),
+            ("plan", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
         ):
             done = run_cli(*args)
             assert done.returncode == 0, done.stderr[-3000:]

@@ -1,12 +1,11 @@
-"""The two predetermined final candidates: each arm's final checkpoint,
-committed once, by the sha256 of its weights.
+"""The two predetermined final candidates: each arm's final checkpoint of the
+planned run, committed once, by the sha256 of its weights.
 
-`select_final(cfg, run_id)` finds the newest FINISHED train run of each arm,
-re-hashes its checkpoint against the hash that run recorded, and appends both
-to the ledger (kind candidate, subject `<study>/<arm>`). `verified_selection(cfg)`
-gives the committed candidates back after re-hashing the weights on disk.
-A study is, for now, one config (its sha256); once train runs carry the plan
-sha, `study_key` is the place that changes.
+`select_final` finds the newest FINISHED train run of each arm under the
+plan, re-hashes its checkpoint against the hash that run recorded, and
+appends both to the ledger (kind candidate, subject `<plan sha>/<arm>`).
+`verified_selection` gives the committed candidates back after re-hashing
+the weights on disk.
 """
 
 from __future__ import annotations
@@ -39,12 +38,8 @@ class Selection:
     select_run_id: str
 
 
-def study_key(cfg: Config) -> str:
-    return tracking.config_sha256(cfg)
-
-
-def subject(cfg: Config, arm: str) -> str:
-    return f"{study_key(cfg)}/{arm}"
+def subject(plan_sha: str, arm: str) -> str:
+    return f"{plan_sha}/{arm}"
 
 
 def _when(seconds: float) -> str:
@@ -58,8 +53,8 @@ def weights_sha256(path: Path, what: str) -> str:
     return workspace.sha256_file(weights)
 
 
-def final_train_runs(cfg: Config) -> dict[str, Candidate]:
-    """Each arm's newest FINISHED train run of this study, as a candidate;
+def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
+    """Each arm's newest FINISHED train run under the plan, as a candidate;
     refuses, naming every arm, when one has not finished."""
     found: dict[str, Candidate] = {}
     problems = []
@@ -67,7 +62,7 @@ def final_train_runs(cfg: Config) -> dict[str, Candidate]:
         runs = tracking.search_runs(
             cfg.experiment,
             f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_TRAIN}' and tags.`{tracking.TAG_ARM}` = '{arm}' "
-            f"and tags.`{tracking.TAG_CONFIG_SHA}` = '{study_key(cfg)}'",
+            f"and tags.`{tracking.TAG_PLAN}` = '{plan_sha}'",
         )
         finished = [r for r in runs if r.info.status == "FINISHED"]
         if not finished:
@@ -85,31 +80,29 @@ def final_train_runs(cfg: Config) -> dict[str, Candidate]:
         found[arm] = Candidate(arm, sha, Path(path), run.info.run_id)
     if problems:
         todo = [arm for arm in ARMS if arm not in found]
-        arm_arg = todo[0] if len(todo) == 1 else "both"
         raise RefusedError(
-            f"{'; '.join(problems)} (config sha {study_key(cfg)[:12]}); train first: "
-            f"`python -m coopstudy train --preset {cfg.preset} --arm {arm_arg}`"
+            f"{'; '.join(problems)} (plan {plan_sha[:12]}); train first: "
+            f"`python -m coopstudy train --preset {cfg.preset} --arm {todo[0] if len(todo) == 1 else 'both'}`"
         )
     return found
 
 
-def committed(cfg: Config, ledger: ledger_mod.Ledger) -> list[ledger_mod.Entry]:
-    """Candidate entries of this study, oldest first."""
-    prefix = study_key(cfg) + "/"
+def committed(plan_sha: str, ledger: ledger_mod.Ledger) -> list[ledger_mod.Entry]:
+    """Candidate entries of this plan, oldest first."""
+    prefix = subject(plan_sha, "")
     return [e for e in ledger.entries() if e.kind == ledger_mod.CANDIDATE and e.subject.startswith(prefix)]
 
 
-def select_final(cfg: Config, select_run_id: str, ledger: ledger_mod.Ledger | None = None) -> dict[str, Candidate]:
-    """Commit each arm's final checkpoint, once per study."""
-    ledger = ledger or ledger_mod.Ledger()
-    earlier = committed(cfg, ledger)
+def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
+    """Commit each arm's final checkpoint, once per plan."""
+    earlier = committed(plan_sha, ledger)
     if earlier:
         first = earlier[0]
         raise RefusedError(
-            f"the final candidates of this study (config sha {study_key(cfg)[:12]}) were already selected at "
-            f"{_when(first.time)} by select run {first.details.get('select_run_id')}; a selection is made once"
+            f"the final candidates of plan {plan_sha[:12]} were already selected at {_when(first.time)} "
+            f"by select run {first.details.get('select_run_id')}; a selection is made once"
         )
-    found = final_train_runs(cfg)
+    found = final_train_runs(cfg, plan_sha)
     for arm, cand in found.items():
         actual = weights_sha256(cand.path, f"arm {arm}")
         if actual != cand.sha256:
@@ -121,24 +114,23 @@ def select_final(cfg: Config, select_run_id: str, ledger: ledger_mod.Ledger | No
         cand = found[arm]
         ledger.append(
             ledger_mod.CANDIDATE,
-            subject(cfg, arm),
+            subject(plan_sha, arm),
             cand.sha256,
             {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
         )
     return found
 
 
-def verified_selection(cfg: Config, ledger: ledger_mod.Ledger | None = None) -> Selection:
+def verified_selection(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> Selection:
     """The committed candidates, after checking that their weights on disk still hash to them."""
-    ledger = ledger or ledger_mod.Ledger()
     entries = {}
-    for e in committed(cfg, ledger):
+    for e in committed(plan_sha, ledger):
         # A selection is made once; should the ledger hold more, the first counts.
         entries.setdefault(e.details.get("arm"), e)
     missing = [arm for arm in ARMS if arm not in entries]
     if missing:
         raise RefusedError(
-            f"no final candidates selected for this study (config sha {study_key(cfg)[:12]}; missing: {', '.join(missing)}); "
+            f"no final candidates selected under plan {plan_sha[:12]} (missing: {', '.join(missing)}); "
             f"run `python -m coopstudy select --preset {cfg.preset}` first"
         )
     candidates = {}

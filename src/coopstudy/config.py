@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coopstudy.errors import ConfigError
 
@@ -115,8 +115,10 @@ class TrainConfig(_Section):
 
 class PowerSGDConfig(_Section):
     rank: int = PositiveInt
-    dense_updates: int = NonNegInt
-    """Updates that use a dense allreduce before compression starts."""
+    dense_updates: int = Field(ge=2)
+    """Updates that use a dense allreduce before compression starts. At least
+    2: DDP rebuilds its buckets after the first iteration, so torch's hook
+    refuses to keep error feedback or a warm start from update 1."""
     warm_start: bool = True
 
 
@@ -136,20 +138,23 @@ class ProbeCandidate(_Section):
     arm: Literal["control", "compressed"]
     microbatch: int = PositiveInt
     allocator: Literal["default", "expandable"] = "default"
+    device_capacity_mb: int | None = Field(None, gt=0)
+    """This candidate's device capacity; none: probe.device_capacity_mb."""
 
 
 class ProbeConfig(_Section):
     updates: int = Field(3, gt=0)
     candidates: tuple[ProbeCandidate, ...] = ()
     device_capacity_mb: int | None = Field(None, gt=0)
-    """On CPU, the memory one emulated device may use; none: no limit."""
+    """On CPU, the peak RSS each probe process may reach; on CUDA, the
+    allocator's per-process limit; none: no limit."""
 
 
 class BudgetConfig(_Section):
     hourly_price_usd: float = Field(0.0, ge=0)
     """Price of one host (one device) per hour."""
     allocation_usd: float = Field(100.0, gt=0)
-    deadline: str | None = None
+    deadline: AwareDatetime | None = None
     """ISO-8601 time by which every arm must have finished; none: no deadline."""
 
 

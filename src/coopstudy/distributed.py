@@ -14,10 +14,12 @@ accumulation (no_sync on all but the last microbatch) `iter` therefore counts
 optimizer updates, and start_powerSGD_iter = powersgd.dense_updates makes
 updates 1..D dense and D+1.. compressed (tests/test_distributed.py checks it).
 
-Bytes: every collective payload a worker issues is counted, by phase, in a
-`ByteCounter`. Payload means the bytes of the tensor a worker hands to the
-all-reduce, not wire traffic (a ring all-reduce moves about 2(n-1)/n times
-that per worker).
+Bytes: a `ByteCounter` counts the payload of the collectives a worker issues:
+each update's gradient all-reduces (by phase, dense or compressed) and its
+scalar sums, and the parameter broadcast when DDP is built (setup). Not
+counted: barriers and DDP's one-off shape check at construction. Payload means
+the bytes of the tensor a worker hands to the collective, not wire traffic (a
+ring all-reduce moves about 2(n-1)/n times that per worker).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook
@@ -332,10 +334,6 @@ def wrap_model(net: nn.Module, cfg: Config, ctx: DistContext, *, powersgd: bool 
 def no_sync(model: nn.Module) -> ContextManager:
     """DDP's no_sync: this forward and backward accumulate without communication."""
     return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
 
 
 # --- scalar reductions -------------------------------------------------------

@@ -23,6 +23,7 @@ GENESIS = "0" * 64
 # Kinds of commitment, in the order the protocol makes them.
 INPUTS = "inputs"
 GATE = "gate"
+PROBE = "probe"
 PLAN = "plan"
 CANDIDATE = "candidate"
 

@@ -10,7 +10,7 @@ sha256, which every later run carries as tracking.TAG_PLAN; `check_budget`
 is the guard `train` runs before starting an arm.
 
 Probe receipts live under `probe_dir(cfg)`, one JSON file per candidate,
-each also committed to the ledger (kind probe.LEDGER_KIND). They are kept
+each also committed to the ledger (kind ledger.PROBE). They are kept
 under `probe_key(cfg)`, which leaves out what cannot change what a probe
 measures, so choosing a microbatch that completed, or changing the price,
 keeps them.
@@ -57,9 +57,9 @@ def subject(cfg: Config) -> str:
 def probe_key(cfg: Config) -> str:
     """The config less what cannot change a probe's measurement: the arms'
     microbatch sizes (each candidate sets its own), train.updates (a probe runs
-    probe.updates; the plan multiplies), budget, screens, evaluation, experiment."""
+    probe.updates; the plan multiplies), budget, screens and evaluation."""
     raw = cfg.model_dump(mode="json")
-    for name in ("budget", "screens", "evaluate", "experiment"):
+    for name in ("budget", "screens", "evaluate"):
         raw.pop(name)
     raw["train"].pop("updates")
     for arm in raw["arms"].values():
@@ -83,7 +83,7 @@ def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledge
     path.write_text(json.dumps(receipt, indent=2, sort_keys=True))
     sha = workspace.sha256_file(path)
     entry = ledger.Ledger().append(
-        probe.LEDGER_KIND,
+        ledger.PROBE,
         f"{probe_key(cfg)}/{name}",
         sha,
         {"file": _relative(path), "outcome": receipt["outcome"], "run_id": receipt["run_id"]},
@@ -102,7 +102,7 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
     key = probe_key(cfg)
     out: dict[str, dict[str, Any]] = {}
     for name, sha in receipt_hashes(cfg).items():
-        entry = book.latest(probe.LEDGER_KIND, f"{key}/{name.removesuffix('.json')}")
+        entry = book.latest(ledger.PROBE, f"{key}/{name.removesuffix('.json')}")
         if entry is None or entry.digest != sha:
             raise RefusedError(
                 f"probe receipt {probe_dir(cfg) / name} is not the one the probe committed to the ledger "
@@ -134,26 +134,30 @@ def _arm_receipt(cfg: Config, arm: str, receipts: dict[str, dict[str, Any]]) -> 
     """The completed receipt that stands for the arm's setting, or a refusal
     saying what the probes found."""
     microbatch, allocator = arm_setting(cfg, arm)
-    wanted = probe.setting_name(arm, microbatch, allocator)
-    hint = f"arms.{arm}.microbatch {microbatch} with the {allocator} allocator"
-    exact = receipts.get(f"{wanted}.json")
-    if exact is not None and exact["outcome"] == probe.COMPLETED:
-        return f"{wanted}.json", exact
-    # On CPU the allocator setting changes nothing (PYTORCH_CUDA_ALLOC_CONF
-    # configures CUDA's caching allocator only), so a CPU receipt of the same
-    # arm and microbatch under the other setting measured the same run.
-    for name, body in sorted(receipts.items()):
+    wanted = f"{probe.setting_name(arm, microbatch, allocator)}.json"
+
+    def stands_for(name: str, body: dict[str, Any]) -> bool:
         s = body["setting"]
-        if (s["arm"], s["microbatch"]) == (arm, microbatch) and body.get("device_type") == "cpu" and body["outcome"] == probe.COMPLETED:
+        # On CPU the allocator setting changes nothing (PYTORCH_CUDA_ALLOC_CONF
+        # configures CUDA's caching allocator only), so a CPU receipt of the
+        # arm and microbatch under the other setting measured the same run.
+        return name == wanted or ((s["arm"], s["microbatch"]) == (arm, microbatch) and body.get("device_type") == "cpu")
+
+    # The exact setting first.
+    found = sorted(((n, b) for n, b in receipts.items() if stands_for(n, b)), key=lambda item: item[0] != wanted)
+    for name, body in found:
+        if body["outcome"] == probe.COMPLETED:
             return name, body
+    hint = f"arms.{arm}.microbatch {microbatch} with the {allocator} allocator"
     completed = sorted({b["setting"]["microbatch"] for b in receipts.values() if b["setting"]["arm"] == arm and b["outcome"] == probe.COMPLETED})
     choose = (
         f"choose one that completed (microbatch {', '.join(map(str, completed))}: --set arms.{arm}.microbatch=N)"
         if completed
         else "no candidate of this arm completed"
     )
-    if exact is not None:
-        raise RefusedError(f"{hint} failed its probe ({exact['outcome']}: {exact['message']}); {choose}")
+    if found:
+        name, body = found[0]
+        raise RefusedError(f"{hint} failed its probe ({name}: {body['outcome']}: {body['message']}); {choose}")
     raise RefusedError(f"{hint} has no probe receipt; add it to probe.candidates and run probe, or {choose}")
 
 

@@ -46,7 +46,6 @@ from typing import Any
 
 from coopstudy import tracking
 
-LEDGER_KIND = "probe"
 """The ledger kind of a probe receipt (ledger.PROBE, once the ledger names it)."""
 
 COMPLETED = "completed"
@@ -126,8 +125,7 @@ class RankProbe:
         peak = peak_rss_mb()
         if peak > self.capacity_mb:
             raise DeviceOutOfMemory(
-                f"CPU out of memory: peak RSS {peak:.0f} MiB exceeds the device capacity {self.capacity_mb} MiB "
-                f"(probe.device_capacity_mb)"
+                f"CPU out of memory: peak RSS {peak:.0f} MiB exceeds the device capacity {self.capacity_mb} MiB"
             )
 
     def updated(self, seconds: float) -> None:

@@ -28,6 +28,8 @@ from coopstudy.errors import UserError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 REMOTE_FILE = PROJECT_ROOT / "mlruns_remote.txt"
+ENV_REMOTE_FILE = "COOPSTUDY_REMOTE_FILE"
+"""Names a file to read instead of REMOTE_FILE (another checkout's, a test's)."""
 DEFAULT_EXPERIMENT = "coopstudy"
 # The run id that `mlflow run` hands its entry point. mlflow.start_run()
 # removes it from the environment, so it is read once, at import.
@@ -48,6 +50,8 @@ TAG_COMMITMENT_PREFIX = "coopstudy.commitment."
 """+ ledger kind: the digest that the run committed to the ledger."""
 TAG_REQUIRES_PREFIX = "coopstudy.requires."
 """+ ledger kind: the digest of a commitment the run checked before starting."""
+TAG_PREFLIGHT = "coopstudy.preflight"
+"""On the experiment: `<host> <UTC time>` of the last preflight that wrote to it (coopstudy.remote)."""
 
 # --- stages ----------------------------------------------------------------
 STAGE_PREPARE = "prepare"
@@ -195,7 +199,16 @@ M_SCREEN_PREFIX = "screen/"
 """+ screen name + /estimate, /bound (the limit the verdict used, if any) or /passed (1 or 0)."""
 
 
-def _uri_from_file(path: Path = REMOTE_FILE) -> str | None:
+def remote_file() -> Path:
+    """The file that names the tracking server: COOPSTUDY_REMOTE_FILE, else the project's."""
+    named = os.environ.get(ENV_REMOTE_FILE)
+    if named and not Path(named).is_file():
+        raise UserError(f"{ENV_REMOTE_FILE}={named}: no such file")
+    return Path(named) if named else REMOTE_FILE
+
+
+def _uri_from_file(path: Path | None = None) -> str | None:
+    path = path or remote_file()
     if not path.is_file():
         return None
     for line in path.read_text().splitlines():
@@ -206,8 +219,9 @@ def _uri_from_file(path: Path = REMOTE_FILE) -> str | None:
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else mlruns_remote.txt, else MLflow's local default
-    (an SQLite file, mlflow.db, in the project folder)."""
+    """MLFLOW_TRACKING_URI, else mlruns_remote.txt (or the file COOPSTUDY_REMOTE_FILE
+    names), else MLflow's local default (an SQLite file, mlflow.db, in the project folder).
+    For a server, this process and those it starts get short HTTP retries."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or _uri_from_file()
     if uri:
         parts = urlsplit(uri)
@@ -216,6 +230,10 @@ def tracking_uri() -> str:
                 "tracking URI carries credentials; remove them and set MLFLOW_TRACKING_USERNAME "
                 "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
             )
+        if parts.scheme in ("http", "https"):
+            from coopstudy import remote
+
+            remote.use_http_defaults()
         return uri
     # MLflow's own default is SQLite in the working directory; pinning it to the
     # project folder keeps one record whatever directory a step starts from.
@@ -267,44 +285,50 @@ def search_runs(experiment: str, filter_string: str, order_by: tuple[str, ...] =
 
 
 class Recorder:
-    """Writes to one run by id; safe to use from any process."""
+    """Writes to one run by id; safe to use from any process.
+
+    Tags, params, metrics, text artifacts, uploads and the run's end go through
+    the run's outbox (coopstudy.remote.Outbox): while the server does not
+    answer they wait on disk, in order, and the work goes on."""
 
     def __init__(self, run_id: str):
+        from coopstudy import remote
+
         self.run_id = run_id
         self._client = _client()
+        self._outbox = remote.Outbox(run_id, tracking_uri(), self._client)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
         if tags:
-            self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self._outbox.send({"op": "batch", "tags": [[k, str(v)] for k, v in tags.items()]})
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)) for k, v in params.items()]
+        items = [[k, str(v)] for k, v in params.items()]
         # MLflow takes at most 100 params per batch.
         for i in range(0, len(items), 100):
-            self._client.log_batch(self.run_id, params=items[i : i + 100])
+            self._outbox.send({"op": "batch", "params": items[i : i + 100]})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
         """One batched call, however many metrics."""
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        batch = [[k, float(v), now, step] for k, v in metrics.items()]
         if batch:
-            self._client.log_batch(self.run_id, metrics=batch)
+            self._outbox.send({"op": "batch", "metrics": batch})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        path = Path(path)
-        if path.is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path)
-        else:
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        """A file or a folder; during an outage its path waits, so it must stay where it is."""
+        self._outbox.send({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self._client.log_text(self.run_id, text, artifact_file)
+        self._outbox.send({"op": "text", "text": text, "artifact_file": artifact_file})
+
+    def terminate(self, status: str) -> None:
+        self._outbox.send({"op": "terminate", "status": status, "end_time": int(time.time() * 1000)})
+
+    def finish(self) -> bool:
+        """Give what waits a grace period to reach the server; report what cannot.
+        True when nothing waits."""
+        return self._outbox.finish()
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         self.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
@@ -383,9 +407,16 @@ def stage_run(
     """
     import mlflow
 
+    from coopstudy import remote
+
     global _PROJECT_RUN_ID
-    mlflow.set_tracking_uri(tracking_uri())
+    uri = tracking_uri()
     exp_name = cfg.experiment if cfg is not None else DEFAULT_EXPERIMENT
+    if remote.is_http(uri):
+        # Before any work: a dead server, refused credentials or an experiment we
+        # may not write stop the stage here, in seconds, with one line.
+        remote.preflight(uri, exp_name)
+    mlflow.set_tracking_uri(uri)
     exp_id = experiment_id(exp_name)
     parent = mlflow.active_run()
     adopt = _PROJECT_RUN_ID if parent is None else None
@@ -413,10 +444,31 @@ def stage_run(
         yield rec
     except BaseException as err:
         _record_failure(rec, err)
-        mlflow.end_run("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        delivered = _end(rec, status)
+        if remote.is_outage(err):
+            waits = "" if delivered else f"; what it could not record waits in {remote.outbox_dir()} (`python -m coopstudy.remote deliver` sends it)"
+            raise UserError(f"the tracking server {uri} stopped answering ({remote.reason(err)}); run {rec.run_id} ended {status}{waits}") from err
         raise
     else:
-        mlflow.end_run("FINISHED")
+        _end(rec, "FINISHED")
+
+
+def _end(rec: Recorder, status: str) -> bool:
+    """End the stage's run; True when nothing of it waits for the server."""
+    import mlflow
+
+    from coopstudy import remote
+
+    try:
+        # end_run takes the run off MLflow's stack of active runs before it calls
+        # the server, so an outage here leaves a parent's next child correctly nested.
+        mlflow.end_run(status)
+    except Exception as err:
+        if not remote.is_outage(err):
+            raise
+        rec.terminate(status)
+    return rec.finish()
 
 
 def _record_failure(rec: Recorder, err: BaseException) -> None:
@@ -434,7 +486,7 @@ def end_run_failed(run_id: str, err: BaseException | str) -> None:
         _record_failure(rec, err)
     else:
         rec.set_tags({TAG_ERROR: err[:4000]})
-    rec._client.set_terminated(run_id, "FAILED")
+    rec.terminate("FAILED")
 
 
 def download_artifact(run_id: str, artifact_path: str, dst: str | Path | None = None) -> Path:

@@ -146,6 +146,8 @@ def train(
                 "precision": precision,
                 "updates": len(schedule),
                 "phases": phases,
+                # Which documents each worker held for each update: the split is part of the record.
+                "assignment": batching.assignment(schedule, ctx.world_size),
                 "active_seconds": last_end - first_start,
                 "memory_by_rank": memory,
                 "inputs_sha256": prepared.digest,
@@ -153,6 +155,9 @@ def train(
                 "torch": torch.__version__,
             }
             _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
+        # The DDP model and its comm-hook state must go before the process
+        # group does: gloo otherwise aborts now and then at interpreter exit.
+        del net, counter
 
 
 def _gather_peak_memory(ctx: distributed.DistContext) -> list[dict[str, float]]:

@@ -7,21 +7,22 @@ import argparse
 import gc
 import sys
 
-from coopstudy import candidates, data, evaluate, ledger, tracking
+from coopstudy import candidates, data, evaluate, ledger, plan, tracking
 from coopstudy.config import Config
 from coopstudy.errors import UserError
 from coopstudy.seed import resolve_seed
 
 HELP = "score seed, control and compressed on the final test and the retention probes"
 DESCRIPTION = """\
-Reads: the selection (ledger entries of kind candidate for this config), the
-candidates' checkpoints, the seed model and the prepared test and retention files.
+Reads: the committed plan of this config (refused if anything it hashes
+changed), its selection (ledger entries of kind candidate), the candidates'
+checkpoints, the seed model and the prepared test and retention files.
 Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
 selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty
 test set.
-Writes: an evaluate run tagged with the candidates it checked, and under it
-one child run per model (tag coopstudy.model = seed, control or compressed)
+Writes: an evaluate run tagged with the plan and the candidates it checked,
+and under it one child run per model (tag coopstudy.model = seed, control or compressed)
 with the same metrics (eval/accuracy, eval/accuracy/<family>,
 eval/retention_nll, generation speed) and two tables: test_cases.json (one
 row per case: prompt, output, extracted answer, expected, verifier score,
@@ -34,7 +35,10 @@ up to evaluate.max_new_tokens, stopped at the end of turn."""
 def run(cfg: Config, args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
     with tracking.stage_run(tracking.STAGE_EVALUATE, cfg) as rec:
-        selection = candidates.verified_selection(cfg, ledger.Ledger())
+        plan_sha = plan.require_plan(cfg)
+        plan_tags = {tracking.TAG_PLAN: plan_sha, tracking.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
+        rec.set_tags(plan_tags)
+        selection = candidates.verified_selection(cfg, plan_sha, ledger.Ledger())
         rec.set_tags(
             {tracking.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
             | {tracking.TAG_SELECT_RUN: selection.select_run_id}
@@ -62,7 +66,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 tracking.STAGE_EVALUATE,
                 cfg,
                 run_name=f"evaluate-{name}-{cfg.preset}",
-                tags={tracking.TAG_MODEL: name, tracking.TAG_CHECKPOINT_SHA: sha},
+                tags=plan_tags | {tracking.TAG_MODEL: name, tracking.TAG_CHECKPOINT_SHA: sha},
             ) as child:
                 scored = evaluate.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
                 child.log_metrics(scored.metrics)

@@ -62,12 +62,18 @@ def _notes(doc: dict) -> list[str]:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 140))
     with tracking.stage_run(tracking.STAGE_PLAN, cfg, run_name=f"plan-{cfg.preset}") as rec:
         done = plan.commit(cfg)
         doc = done.document
         rec.log_dict(doc, tracking.ART_PLAN)
-        rec.set_tags({tracking.TAG_PLAN: done.sha256})
+        rec.set_tags(
+            {
+                tracking.TAG_PLAN: done.sha256,
+                tracking.TAG_REQUIRES_PREFIX + ledger.GATE: doc["gate_receipt"],
+                tracking.TAG_REQUIRES_PREFIX + ledger.INPUTS: doc["inputs"]["sha256"],
+            }
+        )
         rec.record_commitment(ledger.PLAN, done.sha256)
         metrics = {}
         for arm, a in doc["arms"].items():

@@ -34,8 +34,12 @@ Writes: an MLflow run probe-<preset> (stage {tracking.STAGE_PROBE!r}) with {trac
         FINISHED when it completed and FAILED otherwise, with {tracking.ART_PROBE_RECEIPT}, tag
         {tracking.TAG_PROBE_OUTCOME} (completed, out_of_memory, error), {tracking.M_PROBE_MEDIAN_SECONDS},
         per-update metrics and memory; each receipt as <home>/probes/<key>/<arm>-mb<N>-<allocator>.json
-        and a ledger entry (kind {probe.LEDGER_KIND!r}), which the plan hashes.
+        and a ledger entry (kind {ledger.PROBE!r}), which the plan hashes.
 """
+
+
+RANK_LOGGED = (tracking.M_PEAK_RSS_MB, tracking.M_CUDA_MAX_ALLOCATED_MB, tracking.M_CUDA_MAX_RESERVED_MB)
+"""Memory metrics a training process that finishes logs itself."""
 
 
 class CandidateFailed(Exception):
@@ -105,7 +109,9 @@ def _run_candidate(
 ) -> dict[str, Any]:
     name = probe.setting_name(cand.arm, cand.microbatch, cand.allocator)
     workers = getattr(cand_cfg.arms, cand.arm).workers
-    capacity = cfg.probe.device_capacity_mb
+    # A candidate's own capacity (ProbeCandidate.device_capacity_mb, where the
+    # config has it) stands in for a smaller device than the preset's.
+    capacity = cand.device_capacity_mb or cfg.probe.device_capacity_mb
     receipt: dict[str, Any] = {}
     try:
         with tracking.stage_run(
@@ -126,8 +132,12 @@ def _run_candidate(
             path, sha, _ = plan.keep_receipt(cfg, receipt)
             rec.log_dict(receipt, tracking.ART_PROBE_RECEIPT)
             rec.set_tags({tracking.TAG_PROBE_OUTCOME: receipt["outcome"], tracking.TAG_PROBE_RECEIPT: sha})
-            rec.record_commitment(probe.LEDGER_KIND, sha)
-            metrics = probe.memory_summary(receipt) | {
+            rec.record_commitment(ledger.PROBE, sha)
+            memory = probe.memory_summary(receipt)
+            if receipt["outcome"] == probe.COMPLETED:
+                # The process logged its own peaks with its summary.
+                memory = {k: v for k, v in memory.items() if k not in RANK_LOGGED}
+            metrics = memory | {
                 tracking.M_COMPLETE_SECONDS: receipt["complete_seconds"],
                 tracking.M_DEVICE_SECONDS: receipt["device_seconds"],
                 tracking.M_COST_USD: receipt["cost_usd"],

@@ -22,7 +22,7 @@ from coopstudy.errors import UserError
 
 HELP = "run every step of the study in order, reusing unchanged finished steps"
 DESCRIPTION = """\
-Runs prepare -> verify -> plan -> train control -> train compressed -> select
+Runs prepare -> verify -> probe -> plan -> train control -> train compressed -> select
 -> evaluate -> report, each as its own MLflow run under one parent study run.
 A finished step whose config, sources and upstream steps are unchanged is
 reused (its run id is shown); otherwise it runs again.
@@ -58,6 +58,18 @@ def _gate_ok(cfg: Config, run: Any) -> None:
     gate.require_gate_receipt()
 
 
+def _probes_ok(cfg: Config, run: Any) -> None:
+    from coopstudy import plan
+
+    plan.probes_complete(cfg)
+
+
+def _plan_ok(cfg: Config, run: Any) -> None:
+    from coopstudy import plan
+
+    plan.require_plan(cfg)
+
+
 def _checkpoint_ok(cfg: Config, run: Any) -> None:
     folder = run.data.tags.get(tracking.TAG_CHECKPOINT_PATH)
     weights = Path(folder or "/nonexistent") / "model.safetensors"
@@ -67,15 +79,22 @@ def _checkpoint_ok(cfg: Config, run: Any) -> None:
 
 COMMON = ("config.py", "tracking.py", "ledger.py", "workspace.py", "errors.py")
 NUMERICAL = ("batching.py", "objective.py", "update.py", "distributed.py", "gate.py")
-TRAINING = NUMERICAL + ("train.py", "launch.py", "checkpoint.py", "lock.py", "stages/train.py")
+TRAINING = NUMERICAL + ("train.py", "launch.py", "checkpoint.py", "lock.py", "probe.py", "plan.py", "stages/train.py")
 
 STEPS: tuple[Step, ...] = (
     Step("prepare", "prepare", COMMON + ("data.py", "seed.py", "chat.py", "tasks.py", "conversations.py", "stages/prepare.py"), still_valid=_prepared_ok),
     Step("verify", "verify", COMMON + NUMERICAL + ("stages/verify.py",), still_valid=_gate_ok),
-    Step("train-control", "train", COMMON + TRAINING, ("prepare", "verify"), ("--arm", "control"), _checkpoint_ok),
-    Step("train-compressed", "train", COMMON + TRAINING, ("prepare", "verify"), ("--arm", "compressed"), _checkpoint_ok),
-    Step("select", "select", COMMON + ("candidates.py", "stages/select.py"), ("train-control", "train-compressed")),
-    Step("evaluate", "evaluate", COMMON + ("evaluate.py", "candidates.py", "stages/evaluate.py"), ("select",)),
+    Step("probe", "probe", COMMON + TRAINING + ("stages/probe.py",), ("prepare", "verify"), still_valid=_probes_ok),
+    Step("plan", "plan", COMMON + ("plan.py", "probe.py", "stages/plan.py"), ("prepare", "verify", "probe"), still_valid=_plan_ok),
+    Step("train-control", "train", COMMON + TRAINING, ("plan",), ("--arm", "control"), _checkpoint_ok),
+    Step("train-compressed", "train", COMMON + TRAINING, ("plan",), ("--arm", "compressed"), _checkpoint_ok),
+    Step("select", "select", COMMON + ("candidates.py", "plan.py", "stages/select.py"), ("train-control", "train-compressed")),
+    Step(
+        "evaluate",
+        "evaluate",
+        COMMON + ("evaluate.py", "candidates.py", "plan.py", "tasks.py", "chat.py", "data.py", "seed.py", "stages/evaluate.py"),
+        ("select",),
+    ),
     Step("report", "report", COMMON + ("stages/report.py", "analysis/"), ("evaluate",)),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)

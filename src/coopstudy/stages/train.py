@@ -76,9 +76,11 @@ def prerequisites(cfg: Config) -> tuple[str, dict[str, str]]:
     depends on), or a refusal naming what is missing or changed."""
     from coopstudy import plan
 
-    # The plan first: it names a change relative to what was committed.
+    # In protocol order: a changed source is first a stale gate receipt, a
+    # changed input file first an input that no longer verifies; each names it.
+    tags = committed(cfg)
     sha = plan.require_plan(cfg)
-    return sha, committed(cfg) | {tracking.TAG_PLAN: sha, tracking.TAG_REQUIRES_PREFIX + ledger_mod.PLAN: sha}
+    return sha, tags | {tracking.TAG_PLAN: sha, tracking.TAG_REQUIRES_PREFIX + ledger_mod.PLAN: sha}
 
 
 def guard(rec: tracking.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) -> None:

@@ -1,0 +1,191 @@
+"""plan and what train requires of it, through the real CLI on tiny: the plan
+hashes every commitment; train runs under it, tagged; train refuses without
+it, after a source file, an input file or a probe receipt changes (naming
+it), and when the projection would pass the allocation or the deadline.
+
+The module shares one store: a copy of the probed tiny store with the plan
+of the preset committed once. Tests that change a file put it back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from coopstudy import config, data, ledger, plan, tracking, workspace
+from coopstudy.errors import RefusedError
+
+from conftest import ROOT, run_cli
+from test_probe import probed_tiny_store  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_store(tmp_path_factory, probed_tiny_store):  # noqa: F811 - the fixture it starts from
+    # Overrides conftest's per-test store: this module's tests share one.
+    base = tmp_path_factory.mktemp("plan-store")
+    shutil.copytree(probed_tiny_store.home, base / "home")
+    shutil.copy(probed_tiny_store.db, base / "mlflow.db")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
+        mp.setenv("COOPSTUDY_HOME", str(base / "home"))
+        mp.delenv("MLFLOW_RUN_ID", raising=False)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[str, dict, object]:
+    done = run_cli("plan", "--preset", "tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    entry = ledger.Ledger().latest(ledger.PLAN, plan.subject(config.load("tiny")))
+    return entry.digest, json.loads((workspace.home() / entry.details["file"]).read_text()), done
+
+
+def _runs(filter_string: str) -> list:
+    client = mlflow.MlflowClient()
+    return client.search_runs([client.get_experiment_by_name("coopstudy").experiment_id], filter_string)
+
+
+def _receipt(name: str) -> dict:
+    return json.loads((plan.probe_dir(config.load("tiny")) / name).read_text())
+
+
+def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_path):
+    sha, doc, done = planned
+    cfg = config.load("tiny")
+    book = ledger.Ledger().entries()
+    (gate_entry,) = [e for e in book if e.kind == ledger.GATE]
+    (inputs_entry,) = [e for e in book if e.kind == ledger.INPUTS and e.subject == data.inputs_key(cfg)]
+    assert doc["sources"]["files"] == gate_entry.details["sources"]
+    assert doc["gate_receipt"] == gate_entry.digest
+    assert doc["inputs"]["sha256"] == inputs_entry.digest
+    folder = plan.probe_dir(cfg)
+    assert doc["probe_receipts"] == {p.name: workspace.sha256_file(p) for p in folder.glob("*.json")}
+    assert len(doc["probe_receipts"]) == len(cfg.probe.candidates)
+    assert doc["config"] == cfg.model_dump(mode="json") and doc["screens"]["min_speedup"] == 1.10
+    assert "paired t" in doc["methods"]["retention"]
+    # Each arm: the preset's microbatch, the protocol's allocator, and the
+    # projection from the probe receipt that stands for it.
+    control = doc["arms"]["control"]
+    assert (control["microbatch"], control["allocator"], control["receipt"]) == (4, "expandable", "control-mb4-default.json")
+    receipt = _receipt("control-mb4-default.json")
+    overhead = receipt["complete_seconds"] - sum(receipt["update_seconds"])
+    assert control["projection"]["seconds"] == pytest.approx(overhead + receipt["median_update_seconds"] * cfg.train.updates)
+    assert doc["arms"]["compressed"]["projection"]["devices"] == 2
+    assert doc["choice"]["compressed"]["default"]["largest_completed_microbatch"] == 3
+    # Shown, on record, and committed once.
+    assert "plan: each arm's setting and projection" in done.stdout and f"plan {sha} committed" in done.stdout
+    (run,) = _runs(f"attributes.run_name = 'plan-tiny' and tags.`{tracking.TAG_PLAN}` = '{sha}'")
+    assert json.loads(tracking.download_artifact(run.info.run_id, tracking.ART_PLAN, tmp_path).read_text()) == doc
+    again = run_cli("plan", "--preset", "tiny")
+    assert again.returncode == 0 and f"plan {sha} unchanged, already committed" in again.stdout
+    assert [e.digest for e in ledger.Ledger().entries() if e.kind == ledger.PLAN and e.subject == plan.subject(cfg)] == [sha]
+
+
+def test_train_refuses_without_a_plan():
+    # A different config is a different plan: none is committed for it.
+    done = run_cli("train", "--preset", "tiny", "--arm", "control", "--set", "budget.allocation_usd=99")
+    assert done.returncode == 2
+    assert "no plan commitment" in done.stderr and "`python -m coopstudy plan --preset tiny` first" in done.stderr
+
+
+def _edit(path: Path) -> bytes:
+    original = path.read_bytes()
+    path.write_bytes(original + b"\n")
+    return original
+
+
+@pytest.mark.parametrize("what", ["receipt", "input"])
+def test_train_refuses_after_a_hashed_file_changes_naming_it(planned, what):
+    cfg = config.load("tiny")
+    if what == "receipt":
+        path = plan.probe_dir(cfg) / "control-mb4-default.json"
+        named = f"changed since the plan {planned[0][:12]} was committed: probe receipt control-mb4-default.json (changed)"
+    else:
+        path = data.load_prepared(cfg).folder / "train.jsonl"
+        named = f"prepared inputs {path.parent}: train.jsonl changed since it was committed"
+    original = _edit(path)
+    try:
+        done = run_cli("train", "--preset", "tiny", "--arm", "control")
+    finally:
+        path.write_bytes(original)
+    assert done.returncode == 2
+    assert named in done.stderr, done.stderr
+    failed = _runs("attributes.run_name = 'train-control-tiny'")[0]
+    assert failed.info.status == "FAILED" and named in failed.data.tags[tracking.TAG_ERROR]
+
+
+def test_train_refuses_after_a_numerical_source_changes_naming_it(planned, tmp_path):
+    # The checkout as a user would have it after editing update.py.
+    project = tmp_path / "checkout"
+    shutil.copytree(ROOT / "src" / "coopstudy", project / "src" / "coopstudy", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "configs", project / "configs")
+    _edit(project / "src" / "coopstudy" / "update.py")
+    done = run_cli("train", "--preset", "tiny", "--arm", "control", env={"PYTHONPATH": str(project / "src")})
+    assert done.returncode == 2
+    # The gate receipt, which the plan hashes, no longer covers the sources.
+    line = done.stderr.strip().splitlines()[-1]
+    assert "numerical sources changed since the gate receipt:" in line and "update.py" in line, done.stderr
+
+
+def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(planned):
+    cfg = config.load("tiny")
+    # $1 a second: the projection in dollars is the projection in seconds. An
+    # allocation of 1.2 projections lets one control run start, and refuses a
+    # second one whatever the first really spent beyond a fifth of it.
+    projected = plan.projection(cfg, _receipt("control-mb4-default.json"))["seconds"]
+    budget = ("--set", "budget.hourly_price_usd=3600", f"budget.allocation_usd={1.2 * projected:.3f}")
+    committed = run_cli("plan", "--preset", "tiny", *budget)
+    assert committed.returncode == 0, committed.stderr[-3000:]
+    sha = ledger.Ledger().latest(ledger.PLAN, plan.subject(config.load("tiny", budget[1:]))).digest
+
+    first = run_cli("train", "--preset", "tiny", "--arm", "control", *budget)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (ran,) = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED' and tags.`{tracking.TAG_PLAN}` = '{sha}'")
+    m = ran.data.metrics
+    assert ran.data.tags[tracking.TAG_REQUIRES_PREFIX + ledger.PLAN] == sha
+    assert m[tracking.M_PROJECTED_SECONDS] == pytest.approx(projected) and m[tracking.M_SPENT_BEFORE_USD] == 0
+    assert m[tracking.M_COST_USD] == pytest.approx(m[tracking.M_DEVICE_SECONDS])
+
+    second = run_cli("train", "--preset", "tiny", "--arm", "control", *budget)
+    assert second.returncode == 2
+    assert "budget: training control would pass the allocation" in second.stderr
+    assert f"spent ${m[tracking.M_COST_USD]:.2f} (probes $0.00, 1 earlier train run(s) of plan {sha[:12]})" in second.stderr, second.stderr
+    refused = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FAILED' and tags.`{tracking.TAG_PLAN}` = '{sha}'")[0]
+    assert refused.data.metrics[tracking.M_SPENT_BEFORE_USD] == pytest.approx(m[tracking.M_COST_USD])
+    assert tracking.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
+
+
+def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):
+    past = ("--set", 'budget.deadline="2000-01-01T00:00:00+00:00"')
+    committed = run_cli("plan", "--preset", "tiny", *past)
+    assert committed.returncode == 0, committed.stderr[-3000:]
+    done = run_cli("train", "--preset", "tiny", "--arm", "both", *past)
+    assert done.returncode == 2
+    assert "deadline: training control then compressed is projected to take" in done.stderr
+    assert "after budget.deadline 2000-01-01T00:00:00+00:00" in done.stderr
+    (parent,) = _runs("attributes.run_name = 'train-both-tiny'")
+    assert parent.info.status == "FAILED" and parent.data.tags[tracking.TAG_PLAN]
+    assert not _runs("attributes.run_name = 'train-compressed-tiny'")
+
+
+def test_the_deadline_is_the_projected_end(planned):
+    sha, doc, _ = planned
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    seconds = doc["arms"]["control"]["projection"]["seconds"]
+    for margin, refused in ((-1, True), (1, False)):
+        cfg = config.load("tiny", [f'budget.deadline="{(now + timedelta(seconds=seconds + margin)).isoformat()}"'])
+        projected = plan.projected(cfg, sha, doc, ("control",))
+        if refused:
+            with pytest.raises(RefusedError, match="deadline: training control is projected"):
+                plan.check_budget(cfg, sha, projected, now=now)
+        else:
+            plan.check_budget(cfg, sha, projected, now=now)
+    with pytest.raises(Exception, match="has no time zone"):
+        plan.deadline(config.load("tiny", ['budget.deadline="2030-01-01T00:00:00"']))

@@ -1,0 +1,327 @@
+"""The study against a real `mlflow server`: every stage logs there, artifacts
+go through its proxy, the report reads it back alone, a dead server stops a
+stage before any work, and an outage during training loses nothing.
+
+One server (SQLite backend store, proxied artifacts in a temporary folder)
+serves the whole module; the tiny study runs against it once, through
+mlruns_remote.txt (here the file COOPSTUDY_REMOTE_FILE names, with
+MLFLOW_TRACKING_URI unset), and the other tests read what it left. The outage
+test stops and restarts that server, so it comes last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.entities import ViewType
+
+from coopstudy import ledger, remote, tracking, workspace
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+SERVER_START_S = 120.0
+"""Start-up of an `mlflow server` on a loaded two-core machine takes 10-30 s."""
+OUTAGE_UPDATES = 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow server` on 127.0.0.1, stopped and started again on the same port and stores."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.root / f"server-{self.starts}.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("mlflow")), "server",
+                "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+                "--artifacts-destination", str(self.artifacts),
+                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            ],
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own process group: stop() ends the server and its workers, nothing else.
+            start_new_session=True,
+            # The job runner starts a dozen consumer processes the tests never use.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        )
+        log.close()
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"mlflow server did not come up: {(self.root / f'server-{self.starts}.log').read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def client(self) -> mlflow.MlflowClient:
+        return mlflow.MlflowClient(tracking_uri=self.uri)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _remote_env(remote_file: Path, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a user whose record is the server named in the remote file."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
+    return env | {tracking.ENV_REMOTE_FILE: str(remote_file), "COOPSTUDY_HOME": str(home)} | extra
+
+
+def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coopstudy", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Study:
+    home: Path
+    remote_file: Path
+    output: str
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return _remote_env(self.remote_file, self.home, **extra)
+
+
+@pytest.fixture(scope="module")
+def study(server, tiny_seed_home, tmp_path_factory) -> Study:
+    base = tmp_path_factory.mktemp("remote-study")
+    remote_file = base / "mlruns_remote.txt"
+    remote_file.write_text(f"# the study's shared record\n{server.uri}\n")
+    home = base / "home"
+    shutil.copytree(tiny_seed_home, home)
+    env = _remote_env(remote_file, home)
+    output = []
+    # The study runs prepare and verify, then (until the study includes them) probe
+    # and plan commit the plan that training requires, then the study reuses the
+    # finished prepare and verify and runs the rest.
+    for args in (("study", "--through", "verify"), ("probe",), ("plan",), ("study",)):
+        done = _coopstudy(*args, "--preset", "tiny", env=env)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
+        output.append(done.stdout)
+    return Study(home, remote_file, "\n".join(output))
+
+
+@pytest.fixture
+def http_defaults(monkeypatch):
+    """In-process calls to a server set the short HTTP retries in os.environ; undone after the test."""
+    for name, value in remote.HTTP_DEFAULTS.items():
+        monkeypatch.setenv(name, value)
+
+
+def _runs(client: mlflow.MlflowClient, filter_string: str = "") -> list:
+    exp = client.get_experiment_by_name("coopstudy")
+    return client.search_runs([exp.experiment_id], filter_string, max_results=1000)
+
+
+def test_every_stage_logs_to_the_server_with_its_artifacts(server, study):
+    client = server.client()
+    runs = _runs(client)
+    stages = {r.data.tags.get(tracking.TAG_STAGE) for r in runs}
+    assert stages >= {"prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study"}, stages
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    # Proxied: the record names the server's artifact store, never a path on the logging machine.
+    assert all(r.info.artifact_uri.startswith("mlflow-artifacts:/") for r in runs)
+    assert "reused run" in study.output
+    exp = client.get_experiment_by_name("coopstudy")
+    assert tracking.TAG_PREFLIGHT in exp.tags
+    for arm in ("control", "compressed"):
+        (run,) = _runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train' and tags.`{tracking.TAG_ARM}` = '{arm}'")
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, tracking.M_LOSS))
+        assert steps == list(range(1, 7)), (arm, steps)
+        names = {a.path for a in client.list_artifacts(run.info.run_id, tracking.ART_CHECKPOINT)}
+        assert f"{tracking.ART_CHECKPOINT}/model.safetensors" in names
+    # The compressed arm's ranks wrote into its one run: rank 0's updates and summary are there,
+    # and no rank opened a run of its own.
+    assert len(_runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train'")) == 3  # the two arms and the study's train step
+    stored = list(server.artifacts.rglob("model.safetensors"))
+    assert len(stored) == 2, stored
+
+
+def test_candidate_checkpoint_comes_back_from_the_server_as_committed(server, study, tmp_path, monkeypatch, http_defaults):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.setenv("COOPSTUDY_HOME", str(study.home))
+    entries = [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]
+    assert {e.details["arm"] for e in entries} == {"control", "compressed"}
+    for entry in entries:
+        got = tracking.download_artifact(entry.details["train_run_id"], f"{tracking.ART_CHECKPOINT}/model.safetensors", tmp_path / entry.details["arm"])
+        assert workspace.sha256_file(got) == entry.digest, entry.details["arm"]
+
+
+def test_report_from_the_server_record_alone(server, study, tmp_path):
+    # An empty workspace: nothing but the server's record to read.
+    done = _coopstudy("report", "--preset", "tiny", "--out", str(tmp_path / "out"), env=_remote_env(study.remote_file, tmp_path / "empty-home"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = json.loads((tmp_path / "out" / tracking.ART_REPORT_JSON).read_text())
+    (first,) = study.home.glob(f"reports/*/{tracking.ART_REPORT_JSON}")
+    original = json.loads(first.read_text())
+    assert again["verdicts"] == original["verdicts"] and again["screens"] == original["screens"]
+    assert again["candidates"] == original["candidates"]
+
+
+def test_a_dead_server_stops_a_stage_before_any_work(tmp_path):
+    remote_file = tmp_path / "mlruns_remote.txt"
+    remote_file.write_text(f"http://127.0.0.1:{_free_port()}\n")
+    start = time.monotonic()
+    done = _coopstudy("prepare", "--preset", "tiny", env=_remote_env(remote_file, tmp_path / "home"))
+    seconds = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert "does not answer (connection refused)" in lines[0] and str(remote_file) in lines[0]
+    assert seconds < 30, seconds
+    assert not (tmp_path / "home" / "prepared").exists()
+
+
+def test_credentials_in_the_remote_file_are_refused(server, tmp_path):
+    remote_file = tmp_path / "mlruns_remote.txt"
+    remote_file.write_text(f"http://alice:s3cret@127.0.0.1:{server.port}\n")
+    done = _coopstudy("prepare", "--preset", "tiny", env=_remote_env(remote_file, tmp_path / "home"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert "MLFLOW_TRACKING_USERNAME" in lines[0] and "s3cret" not in done.stderr + done.stdout
+
+
+def test_a_deleted_experiment_is_refused_before_any_work(server, tmp_path):
+    client = server.client()
+    retired = client.create_experiment("retired")
+    client.delete_experiment(retired)
+    remote_file = tmp_path / "mlruns_remote.txt"
+    remote_file.write_text(server.uri + "\n")
+    done = _coopstudy("prepare", "--preset", "tiny", "--set", "experiment=retired", env=_remote_env(remote_file, tmp_path / "home"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert "experiment 'retired' is deleted" in lines[0]
+    assert not client.search_runs([retired], run_view_type=ViewType.ALL)
+
+
+def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tmp_path, monkeypatch, capsys, http_defaults):
+    client = server.client()
+    run_id = client.create_run(client.get_experiment_by_name("coopstudy").experiment_id).info.run_id
+    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COOPSTUDY_OUTBOX_GRACE_S", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    rec = tracking.Recorder(run_id)
+    for step in range(1, 6):
+        rec.log_metrics({tracking.M_LOSS: 1.0 / step}, step=step)
+    rec.set_tags({"kept": "yes"})
+    rec.terminate("FINISHED")
+    assert rec.finish() is False
+    err = capsys.readouterr().err
+    outbox = tmp_path / "home" / "outbox" / f"{run_id}.jsonl"
+    assert err.count("unreachable") == 1, err
+    assert f"{tracking.M_LOSS} steps 1-5 (5)" in err and str(outbox) in err
+    assert f"python -m coopstudy.remote deliver {run_id}" in err
+    assert outbox.is_file()
+
+    done = subprocess.run(
+        [sys.executable, "-m", "coopstudy.remote", "deliver", "--tracking-uri", server.uri],
+        cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = client.get_run(run_id)
+    assert sorted(m.step for m in client.get_metric_history(run_id, tracking.M_LOSS)) == [1, 2, 3, 4, 5]
+    assert run.data.tags["kept"] == "yes" and run.info.status == "FINISHED"
+    assert not outbox.exists()
+
+
+def test_training_goes_on_through_a_server_outage_and_keeps_every_update(server, study):
+    # Last in the module: it stops and restarts the module's server.
+    env = study.env(COOPSTUDY_OUTBOX_GRACE_S="180")
+    longer = ("--preset", "tiny", "--set", f"train.updates={OUTAGE_UPDATES}")
+    for step in ("prepare", "plan"):
+        done = _coopstudy(step, *longer, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coopstudy", "train", "--arm", "control", *longer],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    lines: list[str] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if f"update 3/{OUTAGE_UPDATES}" in line:
+                arrived.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert arrived.wait(300), "".join(lines)[-3000:]
+        # A crash, not a shutdown: the server is gone between one update and the next.
+        server.stop(signal.SIGKILL)
+        time.sleep(3)
+        server.start()
+        stdout = proc.communicate(timeout=400)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(10)
+    stderr = "".join(lines)
+    assert proc.returncode == 0, (stdout[-2000:], stderr[-4000:])
+    assert stderr.count("unreachable") == 1 and "delivered" in stderr, stderr[-4000:]
+    client = server.client()
+    (run,) = _runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train' and params.`train.updates` = '{OUTAGE_UPDATES}'")
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, tracking.M_LOSS))
+    assert steps == list(range(1, OUTAGE_UPDATES + 1))
+    assert run.info.status == "FINISHED" and tracking.TAG_CHECKPOINT_SHA in run.data.tags
+    assert not list((study.home / "outbox").glob("*.jsonl"))
