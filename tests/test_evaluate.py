@@ -15,7 +15,6 @@ import torch
 from coopstudy import chat, cli, config, evaluate, tasks, tracking, workspace
 from coopstudy.errors import UserError
 
-from fixtures_prepare import prepared_tiny, prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
 from test_select import PLAN, fake_train_run, planned  # noqa: F401 - fixture
 
 

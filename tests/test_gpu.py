@@ -14,7 +14,6 @@ import torch
 from coopstudy import tracking
 
 from conftest import run_cli
-from fixtures_prepare import prepared_tiny_store, tiny_seed_home  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

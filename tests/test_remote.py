@@ -135,7 +135,6 @@ def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subproc
 class Study:
     home: Path
     remote_file: Path
-    output: str
 
     def env(self, **extra: str) -> dict[str, str]:
         return _remote_env(self.remote_file, self.home, **extra)
@@ -148,16 +147,9 @@ def study(server, tiny_seed_home, tmp_path_factory) -> Study:
     remote_file.write_text(f"# the study's shared record\n{server.uri}\n")
     home = base / "home"
     shutil.copytree(tiny_seed_home, home)
-    env = _remote_env(remote_file, home)
-    output = []
-    # The study runs prepare and verify, then (until the study includes them) probe
-    # and plan commit the plan that training requires, then the study reuses the
-    # finished prepare and verify and runs the rest.
-    for args in (("study", "--through", "verify"), ("probe",), ("plan",), ("study",)):
-        done = _coopstudy(*args, "--preset", "tiny", env=env)
-        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-3000:])
-        output.append(done.stdout)
-    return Study(home, remote_file, "\n".join(output))
+    done = _coopstudy("study", "--preset", "tiny", env=_remote_env(remote_file, home))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    return Study(home, remote_file)
 
 
 @pytest.fixture
@@ -177,10 +169,11 @@ def test_every_stage_logs_to_the_server_with_its_artifacts(server, study):
     runs = _runs(client)
     stages = {r.data.tags.get(tracking.TAG_STAGE) for r in runs}
     assert stages >= {"prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study"}, stages
-    assert {r.info.status for r in runs} == {"FINISHED"}
+    # The tiny probe grid holds one setting that must run out of memory; it stays on record.
+    unfinished = [r for r in runs if r.info.status != "FINISHED"]
+    assert all(r.data.tags.get(tracking.TAG_PROBE_OUTCOME) == "out_of_memory" for r in unfinished), unfinished
     # Proxied: the record names the server's artifact store, never a path on the logging machine.
     assert all(r.info.artifact_uri.startswith("mlflow-artifacts:/") for r in runs)
-    assert "reused run" in study.output
     exp = client.get_experiment_by_name("coopstudy")
     assert tracking.TAG_PREFLIGHT in exp.tags
     for arm in ("control", "compressed"):
@@ -189,9 +182,12 @@ def test_every_stage_logs_to_the_server_with_its_artifacts(server, study):
         assert steps == list(range(1, 7)), (arm, steps)
         names = {a.path for a in client.list_artifacts(run.info.run_id, tracking.ART_CHECKPOINT)}
         assert f"{tracking.ART_CHECKPOINT}/model.safetensors" in names
-    # The compressed arm's ranks wrote into its one run: rank 0's updates and summary are there,
-    # and no rank opened a run of its own.
-    assert len(_runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train'")) == 3  # the two arms and the study's train step
+    # Every rank of the compressed arm writes into the one run its stage opened: a probe
+    # has each rank report itself there, and no rank opened a run of its own.
+    (probe,) = _runs(client, f"tags.`{tracking.TAG_PROBE_SETTING}` LIKE 'compressed-%'")
+    reports = {a.path for a in client.list_artifacts(probe.info.run_id, "probe_ranks")}
+    assert reports == {f"{tracking.ART_PROBE_RANK_PREFIX}{r}.json" for r in (0, 1)}
+    assert len(_runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train'")) == 2
     stored = list(server.artifacts.rglob("model.safetensors"))
     assert len(stored) == 2, stored
 
@@ -266,7 +262,7 @@ def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tm
     assert rec.finish() is False
     err = capsys.readouterr().err
     outbox = tmp_path / "home" / "outbox" / f"{run_id}.jsonl"
-    assert err.count("unreachable") == 1, err
+    assert err.count(" unreachable (") == 1, err
     assert f"{tracking.M_LOSS} steps 1-5 (5)" in err and str(outbox) in err
     assert f"python -m coopstudy.remote deliver {run_id}" in err
     assert outbox.is_file()
@@ -318,7 +314,7 @@ def test_training_goes_on_through_a_server_outage_and_keeps_every_update(server,
     reader.join(10)
     stderr = "".join(lines)
     assert proc.returncode == 0, (stdout[-2000:], stderr[-4000:])
-    assert stderr.count("unreachable") == 1 and "delivered" in stderr, stderr[-4000:]
+    assert stderr.count(" unreachable (") == 1 and "delivered" in stderr, stderr[-4000:]
     client = server.client()
     (run,) = _runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train' and params.`train.updates` = '{OUTAGE_UPDATES}'")
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, tracking.M_LOSS))

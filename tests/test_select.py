@@ -18,7 +18,6 @@ from coopstudy import candidates, cli, config, ledger, plan, tracking, workspace
 from coopstudy.errors import RefusedError, UserError
 
 from conftest import run_cli
-from fixtures_prepare import tiny_seed, tiny_seed_home  # noqa: F401 - fixtures
 
 PLAN = "ab" * 32
 """The plan sha the `planned` fixture stands in for."""

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -77,6 +78,8 @@ def use_http_defaults() -> None:
     the DeepSpeed launcher forwards MLFLOW_* variables to other hosts)."""
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    # urllib3 logs every retry of every call; an outage is said once, by the outbox.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager
