@@ -30,6 +30,11 @@ def _migrated_db(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def isolated_store(tmp_path_factory, monkeypatch, _migrated_db):
+    import mlflow
+
+    # A stage run in-process leaves MLflow's global tracking URI on the last
+    # test's store; forget it so this test's environment decides.
+    mlflow.set_tracking_uri(None)
     base = tmp_path_factory.mktemp("store")
     shutil.copy(_migrated_db, base / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")

@@ -18,7 +18,7 @@ import mlflow
 import pytest
 
 from coopstudy import config, data, ledger, plan, tracking, workspace
-from coopstudy.errors import RefusedError
+from coopstudy.errors import ConfigError, RefusedError
 
 from conftest import ROOT, run_cli
 from test_probe import probed_tiny_store  # noqa: F401 - fixture
@@ -187,5 +187,5 @@ def test_the_deadline_is_the_projected_end(planned):
                 plan.check_budget(cfg, sha, projected, now=now)
         else:
             plan.check_budget(cfg, sha, projected, now=now)
-    with pytest.raises(Exception, match="has no time zone"):
-        plan.deadline(config.load("tiny", ['budget.deadline="2030-01-01T00:00:00"']))
+    with pytest.raises(ConfigError, match="budget.deadline: Input should have timezone info"):
+        config.load("tiny", ['budget.deadline="2030-01-01T00:00:00"'])

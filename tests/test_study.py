@@ -124,10 +124,15 @@ def test_report_alone_rebuilds_the_same_json(first, copy):
 def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
     source = copy.root / "src" / "coopstudy" / "objective.py"
     source.write_text(source.read_text() + "\n# touched\n")
-    touched = copy.coopstudy("study", "--preset", "tiny", "--through", "probe")
+    touched = copy.coopstudy("study", "--preset", "tiny", "--through", "verify")
     assert touched.returncode == 0, touched.stderr[-3000:]
     assert _steps(touched.stdout, "reused") == ["prepare"]
-    assert _steps(touched.stdout, "running") == ["verify", "probe"]
+    assert _steps(touched.stdout, "running") == ["verify"]
+    # Every later step's key chains from verify's, so all of them rerun too
+    # (test_upstream_change_changes_every_later_key); training refuses meanwhile.
+    refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
+    assert refused.returncode == 2
+    assert "objective.py" in refused.stderr
 
 
 def test_upstream_change_changes_every_later_key():

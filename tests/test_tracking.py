@@ -63,3 +63,11 @@ def test_nested_stage_is_a_child():
             pass
     run = mlflow.MlflowClient().get_run(child.run_id)
     assert run.data.tags["mlflow.parentRunId"] == parent.run_id
+
+
+def test_readme_documents_every_name_of_the_record():
+    readme = (tracking.PROJECT_ROOT / "README.md").read_text()
+    names = {k: v for k, v in vars(tracking).items() if k.split("_")[0] in ("TAG", "M", "ART", "PARAM") and isinstance(v, str)}
+    assert names
+    missing = sorted(k for k, v in names.items() if f"`{v}`" not in readme)
+    assert missing == [], f"README's schema lacks {missing}"

@@ -278,14 +278,6 @@ def wrap_model(net: nn.Module, cfg: Config, ctx: DistContext, *, powersgd: bool 
     """
     if not ctx.distributed:
         return net, None
-    if powersgd and cfg.powersgd.dense_updates < 2:
-        # torch refuses start_powerSGD_iter <= 1 with error feedback or warm
-        # start: DDP rebuilds its buckets after the first iteration, which would
-        # invalidate the per-bucket error and P/Q memories.
-        raise UserError(
-            f"powersgd.dense_updates: {cfg.powersgd.dense_updates} is below 2; PowerSGD with error feedback "
-            "needs at least two dense updates before compression"
-        )
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     bucket_cap_mb = None
     if ctx.backend == "gloo":

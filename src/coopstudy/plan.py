@@ -27,7 +27,7 @@ from typing import Any
 
 from coopstudy import launch, ledger, probe, tracking, workspace
 from coopstudy.config import Config
-from coopstudy.errors import RefusedError, UserError
+from coopstudy.errors import RefusedError
 
 ARMS = ("control", "compressed")
 
@@ -180,18 +180,8 @@ def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
 
 
 def deadline(cfg: Config) -> datetime | None:
-    raw: Any = cfg.budget.deadline
-    if raw is None:
-        return None
-    try:
-        # YAML reads an unquoted timestamp as a datetime already.
-        when = raw if isinstance(raw, datetime) else datetime.fromisoformat(raw)
-    except ValueError:
-        raise UserError(f"budget.deadline: {raw!r} is not an ISO-8601 time, e.g. 2025-06-01T18:00:00+00:00") from None
-    if when.tzinfo is None:
-        # A deadline read in the wrong zone is hours off: say it.
-        raise UserError(f"budget.deadline: {raw!r} has no time zone; add one, e.g. {raw}+00:00")
-    return when
+    """The stop deadline; the config refuses one without a time zone."""
+    return cfg.budget.deadline
 
 
 def build(cfg: Config) -> dict[str, Any]:
