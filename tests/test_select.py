@@ -170,7 +170,7 @@ def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, c
     _tamper(folder)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err
-    assert f"the compressed candidate selected at" in err and f"by select run {select_run.info.run_id}" in err
+    assert "the compressed candidate selected at" in err and f"by select run {select_run.info.run_id}" in err
     assert "they changed after selection, refusing to score them" in err
     shutil.rmtree(folder)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
