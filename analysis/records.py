@@ -18,33 +18,32 @@ from typing import Any
 
 import pandas as pd
 
-from coopstudy import tracking
-from coopstudy.config import Config
+from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
+from coopstudy.record import schema, store
 
-ARMS = ("control", "compressed")
 MODELS = ("seed", "control", "compressed")
 
 # Tidy column -> tracked metric name; the tables speak the analysis' names,
 # the store speaks tracking's.
 UPDATE_METRICS = {
-    "loss": tracking.M_LOSS,
-    "grad_norm": tracking.M_GRAD_NORM,
-    "lr": tracking.M_LR,
-    "update_seconds": tracking.M_UPDATE_SECONDS,
-    "tokens": tracking.M_TOKENS,
-    "bytes": tracking.M_BYTES,
+    "loss": schema.M_LOSS,
+    "grad_norm": schema.M_GRAD_NORM,
+    "lr": schema.M_LR,
+    "update_seconds": schema.M_UPDATE_SECONDS,
+    "tokens": schema.M_TOKENS,
+    "bytes": schema.M_BYTES,
 }
 RUN_METRICS = {
-    "active_seconds": tracking.M_ACTIVE_SECONDS,
-    "complete_seconds": tracking.M_COMPLETE_SECONDS,
-    "checkpoint_seconds": tracking.M_CHECKPOINT_SECONDS,
-    "device_seconds": tracking.M_DEVICE_SECONDS,
-    "bytes_dense": tracking.M_BYTES_DENSE,
-    "bytes_compressed": tracking.M_BYTES_COMPRESSED,
-    "bytes_total": tracking.M_BYTES_TOTAL,
-    "peak_rss_mb": tracking.M_PEAK_RSS_MB,
-    "cost_usd": tracking.M_COST_USD,
+    "active_seconds": schema.M_ACTIVE_SECONDS,
+    "complete_seconds": schema.M_COMPLETE_SECONDS,
+    "checkpoint_seconds": schema.M_CHECKPOINT_SECONDS,
+    "device_seconds": schema.M_DEVICE_SECONDS,
+    "bytes_dense": schema.M_BYTES_DENSE,
+    "bytes_compressed": schema.M_BYTES_COMPRESSED,
+    "bytes_total": schema.M_BYTES_TOTAL,
+    "peak_rss_mb": schema.M_PEAK_RSS_MB,
+    "cost_usd": schema.M_COST_USD,
 }
 # The speed screens cannot be computed without these; the rest are reported
 # beside the screens and may be absent (an arm that transmits nothing).
@@ -64,7 +63,7 @@ class StudyKey:
 
     @property
     def kind(self) -> str:
-        return "plan" if self.tag == tracking.TAG_PLAN else "config"
+        return "plan" if self.tag == schema.TAG_PLAN else "config"
 
     @property
     def folder(self) -> str:
@@ -77,12 +76,12 @@ class StudyKey:
 
 def study_key(cfg: Config, plan: str | None) -> StudyKey:
     if plan is None:
-        return StudyKey(tracking.TAG_CONFIG_SHA, tracking.config_sha256(cfg))
+        return StudyKey(schema.TAG_CONFIG_SHA, store.config_sha256(cfg))
     plan = plan.strip().lower()
     # The value goes into a search filter: only hex digits may pass.
     if not _SHA.match(plan):
         raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits)")
-    return StudyKey(tracking.TAG_PLAN, plan)
+    return StudyKey(schema.TAG_PLAN, plan)
 
 
 @dataclass(frozen=True)
@@ -120,12 +119,12 @@ SELECT_ROLE = "select"
 def _client():
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking.tracking_uri())
+    return MlflowClient(tracking_uri=store.tracking_uri())
 
 
 def _newest_finished(experiment: str, tags: dict[str, str]):
     flt = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"])
-    found = tracking.search_runs(experiment, flt)
+    found = store.search_runs(experiment, flt)
     return found[0] if found else None
 
 
@@ -149,19 +148,19 @@ def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
         else:
             runs[role] = run
 
-    newest(SELECT_ROLE, {tracking.TAG_STAGE: tracking.STAGE_SELECT}, "select run")
+    newest(SELECT_ROLE, {schema.TAG_STAGE: schema.STAGE_SELECT}, "select run")
     for arm in ARMS:
         # The train run whose weights were selected, and so evaluated, is the
         # one to time: a later rerun of that arm is evidence, not the result.
-        chosen = runs[SELECT_ROLE].data.tags.get(tracking.TAG_CANDIDATE_RUN_PREFIX + arm) if SELECT_ROLE in runs else None
+        chosen = runs[SELECT_ROLE].data.tags.get(schema.TAG_CANDIDATE_RUN_PREFIX + arm) if SELECT_ROLE in runs else None
         if chosen:
             runs[train_role(arm)] = _selected_train_run(client, chosen, arm, key)
         else:
-            newest(train_role(arm), {tracking.TAG_STAGE: tracking.STAGE_TRAIN, tracking.TAG_ARM: arm}, f"train run for arm {arm}")
+            newest(train_role(arm), {schema.TAG_STAGE: schema.STAGE_TRAIN, schema.TAG_ARM: arm}, f"train run for arm {arm}")
     for model in MODELS:
         newest(
             evaluate_role(model),
-            {tracking.TAG_STAGE: tracking.STAGE_EVALUATE, tracking.TAG_MODEL: model},
+            {schema.TAG_STAGE: schema.STAGE_EVALUATE, schema.TAG_MODEL: model},
             f"evaluate run for model {model}",
         )
     if missing:
@@ -172,12 +171,12 @@ def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
 def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
     """Each evaluated model must be the selected one (and the seed the one both arms started from)."""
     expected = dict(candidates)
-    seeds = {run.data.tags.get(tracking.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
+    seeds = {run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
     if len(seeds) == 1 and None not in seeds:
         expected["seed"] = seeds.pop()
     for model, sha in expected.items():
         run = runs[evaluate_role(model)]
-        scored = run.data.tags.get(tracking.TAG_CHECKPOINT_SHA)
+        scored = run.data.tags.get(schema.TAG_CHECKPOINT_SHA)
         if scored is not None and scored != sha:
             raise RefusedError(
                 f"evaluate run {run.info.run_id} scored {model} weights {scored[:12]}, not the committed {sha[:12]}; evaluate again"
@@ -186,9 +185,9 @@ def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
 
 def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
     """The screens' thresholds come from the report's config, so it must be the study's."""
-    own = tracking.config_sha256(cfg)
+    own = store.config_sha256(cfg)
     for role, run in runs.items():
-        sha = run.data.tags.get(tracking.TAG_CONFIG_SHA)
+        sha = run.data.tags.get(schema.TAG_CONFIG_SHA)
         if sha != own:
             raise RefusedError(
                 f"{role} run {run.info.run_id} was made with config sha {sha}, this report's config is {own}; "
@@ -197,7 +196,7 @@ def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
 
 
 def _plan_of(runs: dict[str, Any], key: StudyKey) -> str | None:
-    plans = sorted({p for run in runs.values() if (p := run.data.tags.get(tracking.TAG_PLAN))})
+    plans = sorted({p for run in runs.values() if (p := run.data.tags.get(schema.TAG_PLAN))})
     if len(plans) > 1:
         raise RefusedError(f"under {key} the newest runs belong to {len(plans)} plans ({', '.join(plans)}); choose one with --plan")
     return plans[0] if plans else None
@@ -212,7 +211,7 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
         columns[column] = {m.step: m.value for m in history}
     frame = pd.DataFrame(columns).rename_axis("update").sort_index().reset_index()
     if frame.empty:
-        raise RefusedError(f"train run {run_id} (arm {arm}) has no per-update metrics ({tracking.M_LOSS})")
+        raise RefusedError(f"train run {run_id} (arm {arm}) has no per-update metrics ({schema.M_LOSS})")
     frame.insert(0, "run_id", run_id)
     frame.insert(0, "arm", arm)
     return frame
@@ -229,7 +228,7 @@ def _train_row(arm: str, run) -> dict[str, Any]:
 def _read_table(run_id: str, artifact: str, columns: tuple[str, ...], what: str) -> pd.DataFrame:
     with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
         try:
-            path = tracking.download_artifact(run_id, artifact, tmp)
+            path = store.download_artifact(run_id, artifact, tmp)
         except Exception as err:  # noqa: BLE001 - any store error means the same thing here
             raise RefusedError(f"{what} run {run_id} has no artifact {artifact} ({type(err).__name__})") from None
         raw = json.loads(path.read_text())
@@ -243,7 +242,7 @@ def _read_table(run_id: str, artifact: str, columns: tuple[str, ...], what: str)
 
 def _case_table(model: str, run_id: str) -> pd.DataFrame:
     what = f"evaluate (model {model})"
-    frame = _read_table(run_id, tracking.ART_TEST_TABLE, CASE_COLUMNS, what)
+    frame = _read_table(run_id, schema.ART_TEST_TABLE, CASE_COLUMNS, what)
     # The pre-registered rule: correct means the verifier gave full credit.
     # Partial credit (0.5) is not correct, whatever else the table says.
     correct = frame["score"].astype(float) >= 1.0
@@ -251,7 +250,7 @@ def _case_table(model: str, run_id: str) -> pd.DataFrame:
         bad = int((frame["correct"].astype(bool) != correct).sum())
         raise RefusedError(f"{what} run {run_id}: {bad} case(s) marked correct without a score of 1.0, or the reverse")
     if frame["case_id"].duplicated().any():
-        raise RefusedError(f"{what} run {run_id}: {tracking.ART_TEST_TABLE} repeats case ids")
+        raise RefusedError(f"{what} run {run_id}: {schema.ART_TEST_TABLE} repeats case ids")
     out = frame[list(CASE_COLUMNS)].assign(correct=correct)
     out.insert(0, "run_id", run_id)
     out.insert(0, "model", model)
@@ -260,9 +259,9 @@ def _case_table(model: str, run_id: str) -> pd.DataFrame:
 
 def _retention_table(model: str, run_id: str) -> pd.DataFrame:
     what = f"evaluate (model {model})"
-    frame = _read_table(run_id, tracking.ART_RETENTION_TABLE, RETENTION_COLUMNS, what)
+    frame = _read_table(run_id, schema.ART_RETENTION_TABLE, RETENTION_COLUMNS, what)
     if frame["doc_id"].duplicated().any():
-        raise RefusedError(f"{what} run {run_id}: {tracking.ART_RETENTION_TABLE} repeats document ids")
+        raise RefusedError(f"{what} run {run_id}: {schema.ART_RETENTION_TABLE} repeats document ids")
     out = frame[list(RETENTION_COLUMNS)].copy()
     out.insert(0, "run_id", run_id)
     out.insert(0, "model", model)
@@ -296,7 +295,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     select = runs[SELECT_ROLE]
     candidates = {}
     for arm in ARMS:
-        sha = select.data.tags.get(tracking.TAG_CANDIDATE_PREFIX + arm)
+        sha = select.data.tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
         if not sha:
             raise RefusedError(f"select run {select.info.run_id} commits no candidate for arm {arm}")
         candidates[arm] = sha

@@ -18,8 +18,8 @@ from typing import Any
 
 from analysis import screens as sc
 from analysis.records import MODELS, Records
-from coopstudy import tracking
 from coopstudy.config import Config
+from coopstudy.record import store
 
 SCHEMA = 1
 
@@ -99,7 +99,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
                 "grouped_by": records.key.kind,
                 "key": records.key.value,
                 "plan_sha256": records.plan,
-                "config_sha256": tracking.config_sha256(cfg),
+                "config_sha256": store.config_sha256(cfg),
             },
             "runs": dict(sorted(records.runs.items())),
             "candidates": dict(sorted(records.candidates.items())),

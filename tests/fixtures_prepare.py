@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from coopstudy import config
-from coopstudy.seed import Seed, resolve_seed
+from coopstudy.inputs.seed import Seed, resolve_seed
 
 # Test modules that import these fixtures each get their own session-scoped
 # copy of them; this keeps the work itself to once per session.

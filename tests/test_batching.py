@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from coopstudy import batching
+from coopstudy.numerics import batching
 
 
 @dataclass(frozen=True)

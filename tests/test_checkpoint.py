@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from coopstudy import checkpoint, workspace
+from coopstudy import workspace
+from coopstudy.run import checkpoint
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def _flip(path: Path, offset: int) -> None:
 
 def test_saved_checkpoint_loads_and_matches(model, tokenizer, tmp_path):
     saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
-    weights = saved.folder / checkpoint.MODEL_FILE
+    weights = saved.folder / workspace.WEIGHTS_FILE
     assert saved.sha256 == workspace.sha256_file(weights)
     assert (saved.folder / "tokenizer.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(saved.folder)
@@ -59,7 +60,7 @@ def test_saved_checkpoint_loads_and_matches(model, tokenizer, tmp_path):
 
 def test_flipped_byte_fails_the_hash(model, tokenizer, tmp_path):
     saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
-    weights = saved.folder / checkpoint.MODEL_FILE
+    weights = saved.folder / workspace.WEIGHTS_FILE
     _flip(weights, _data_start(weights) + 100)
     with pytest.raises(checkpoint.CheckpointMismatch, match="sha256"):
         checkpoint.verify(saved.folder, model.state_dict(), saved.sha256)
@@ -69,7 +70,7 @@ def test_flipped_byte_fails_the_tensor_comparison_even_with_a_matching_hash(mode
     # A byte corrupted while writing is already in the hash taken after the
     # write: the tensor-by-tensor read-back is what catches it.
     saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
-    weights = saved.folder / checkpoint.MODEL_FILE
+    weights = saved.folder / workspace.WEIGHTS_FILE
     _flip(weights, _data_start(weights) + 100)
     with pytest.raises(checkpoint.CheckpointMismatch, match="differs from the trained weights"):
         checkpoint.verify(saved.folder, model.state_dict(), workspace.sha256_file(weights))
@@ -77,7 +78,7 @@ def test_flipped_byte_fails_the_tensor_comparison_even_with_a_matching_hash(mode
 
 def test_unreadable_header_fails_loudly(model, tokenizer, tmp_path):
     saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
-    weights = saved.folder / checkpoint.MODEL_FILE
+    weights = saved.folder / workspace.WEIGHTS_FILE
     _flip(weights, 10)  # inside the JSON header
     with pytest.raises(checkpoint.CheckpointMismatch, match="cannot be read back"):
         checkpoint.verify(saved.folder, model.state_dict(), workspace.sha256_file(weights))

@@ -8,8 +8,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from coopstudy import chat, config, data, tasks
+from coopstudy import config
 from coopstudy.errors import UserError
+from coopstudy.inputs import chat, data, tasks
 
 # The shared seed and prepared-store fixtures (made once per session).
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from coopstudy import batching, config, distributed, objective, update
+from coopstudy import config
 from coopstudy.errors import ConfigError, UserError
-from coopstudy.gate import GateDoc
+from coopstudy.numerics import batching, distributed, objective, update
+from coopstudy.numerics.gate import GateDoc
 
 DENSE_UPDATES = 2
 UPDATES = 5

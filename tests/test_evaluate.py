@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import torch
-
-from coopstudy import chat, cli, config, evaluate, tasks, tracking, workspace
-from coopstudy.errors import UserError
-
 from test_select import PLAN, fake_train_run, planned  # noqa: F401 - fixture
+
+from coopstudy import cli, config, scoring, workspace
+from coopstudy.commit import require
+from coopstudy.errors import UserError
+from coopstudy.inputs import chat, tasks
+from coopstudy.record import schema, store
 
 
 # --- answers ------------------------------------------------------------------
@@ -37,7 +39,7 @@ from test_select import PLAN, fake_train_run, planned  # noqa: F401 - fixture
     ],
 )
 def test_extract_answer_one_rule_for_every_family(output, numeric, expected):
-    assert evaluate.extract_answer(output, numeric) == expected
+    assert scoring.extract_answer(output, numeric) == expected
 
 
 FAMILIES = ("gcd", "products", "letter_counting", "chain_sum")
@@ -63,16 +65,16 @@ def test_scores_are_the_family_verifiers_own(family):
         "contains the right digits": (right + "0", False),
     }
     for what, (output, correct) in outputs.items():
-        row = evaluate.score_case(case, output)
+        row = scoring.score_case(case, output)
         assert row["score"] == verifier(row["answer"], case["entry"]), what
         assert row["correct"] is correct, (what, row)
         assert row["correct"] == (row["score"] == 1.0)
-    partial = evaluate.score_case(case, right + "0")
+    partial = scoring.score_case(case, right + "0")
     assert 0 < partial["score"] < 1
 
 
 def test_test_table_row_has_what_the_report_reads():
-    row = evaluate.score_case(_case("gcd"), "no idea")
+    row = scoring.score_case(_case("gcd"), "no idea")
     assert set(row) >= {"case_id", "family", "prompt", "output", "answer", "expected", "score", "correct"}
     assert row["prompt"].endswith(tasks.INSTRUCTION)
     assert row["score"] == 0.0 and row["correct"] is False
@@ -111,9 +113,9 @@ def _prompts(tokenizer) -> list[list[int]]:
 def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model, tokenizer):
     prompts = _prompts(tokenizer)
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
-    common = {"max_new_tokens": 12, "stop": evaluate.stop_ids(tokenizer), "pad_id": evaluate.padding_id(tokenizer)}
-    alone = evaluate.generate(model, prompts, batch_size=1, **common)
-    batched = evaluate.generate(model, prompts, batch_size=3, **common)
+    common = {"max_new_tokens": 12, "stop": scoring.stop_ids(tokenizer), "pad_id": scoring.padding_id(tokenizer)}
+    alone = scoring.generate(model, prompts, batch_size=1, **common)
+    batched = scoring.generate(model, prompts, batch_size=3, **common)
     assert batched == alone
     assert len({tuple(g.tokens) for g in alone}) > 1
     assert all(len(g.tokens) == 12 and not g.finished for g in alone)
@@ -121,11 +123,11 @@ def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model,
 
 def test_generation_stops_at_end_of_turn(model, tokenizer):
     prompts = _prompts(tokenizer)[:4]
-    pad = evaluate.padding_id(tokenizer)
-    free = evaluate.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=evaluate.stop_ids(tokenizer), pad_id=pad)
+    pad = scoring.padding_id(tokenizer)
+    free = scoring.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=scoring.stop_ids(tokenizer), pad_id=pad)
     # Pretend the fourth token the first prompt produces ends a turn.
     stop = free[0].tokens[3]
-    cut = evaluate.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=[stop], pad_id=pad)
+    cut = scoring.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=[stop], pad_id=pad)
     assert cut[0].finished and cut[0].tokens == free[0].tokens[: free[0].tokens.index(stop)]
     for before, after in zip(free[1:], cut[1:]):
         if stop not in before.tokens:
@@ -158,7 +160,7 @@ def test_retention_nll_equals_one_document_at_a_time(model, tokenizer):
         for i in range(n // 3, n):
             weights[i] = 1.0 if i % 4 else 0.0  # two assistant turns with a prompt token between
         docs.append(Doc(f"doc{k}", "retention", tuple(ids), tuple(weights)))
-    rows = evaluate.retention_nll(model, docs, batch_size=3)
+    rows = scoring.retention_nll(model, docs, batch_size=3)
     assert [r["doc_id"] for r in rows] == [d.doc_id for d in docs]
     for doc, row in zip(docs, rows):
         total, count = _plain_nll(model, doc)
@@ -175,11 +177,11 @@ def test_summary_is_strict_accuracy_per_family_and_document_weighted_nll():
         {"family": "products", "correct": False},
     ]
     retention = [{"tokens": 10, "mean_nll": 1.0}, {"tokens": 1000, "mean_nll": 3.0}]
-    m = evaluate.summarize(cases, retention, ["gcd", "products"])
-    assert m[tracking.M_ACCURACY] == 0.25
-    assert m[tracking.M_ACCURACY_PREFIX + "gcd"] == 0.5
-    assert m[tracking.M_ACCURACY_PREFIX + "products"] == 0.0
-    assert m[tracking.M_RETENTION_NLL] == 2.0
+    m = scoring.summarize(cases, retention, ["gcd", "products"])
+    assert m[schema.M_ACCURACY] == 0.25
+    assert m[schema.M_ACCURACY_PREFIX + "gcd"] == 0.5
+    assert m[schema.M_ACCURACY_PREFIX + "products"] == 0.0
+    assert m[schema.M_RETENTION_NLL] == 2.0
 
 
 def test_a_tokenizer_unlike_the_seeds_is_refused(tokenizer, tmp_path):
@@ -187,20 +189,20 @@ def test_a_tokenizer_unlike_the_seeds_is_refused(tokenizer, tmp_path):
 
     tokenizer.save_pretrained(tmp_path)
     other = AutoTokenizer.from_pretrained(tmp_path)
-    evaluate.check_tokenizer(other, tokenizer, "control")  # a copy matches
+    scoring.check_tokenizer(other, tokenizer, "control")  # a copy matches
     other.add_tokens(["<|extra|>"])
     with pytest.raises(UserError, match=r"control: its tokenizer does not match the seed model's \(49153 tokens, the seed's has 49152\)"):
-        evaluate.check_tokenizer(other, tokenizer, "control")
+        scoring.check_tokenizer(other, tokenizer, "control")
 
 
 def test_an_empty_test_set_is_refused(model, tokenizer):
     with pytest.raises(UserError, match="final test set is empty"):
-        evaluate.score_model(model, tokenizer, [], [], config.load("tiny").evaluate, "seed")
+        scoring.score_model(model, tokenizer, [], [], config.load("tiny").evaluate, "seed")
 
 
 # --- the evaluate step on tiny ---------------------------------------------------------
 def _runs(filter_string: str) -> list:
-    return tracking.search_runs("coopstudy", filter_string)
+    return store.search_runs("coopstudy", filter_string)
 
 
 @pytest.fixture
@@ -216,11 +218,11 @@ def selected(prepared_tiny, planned):
 
 
 def _child_runs() -> dict[str, object]:
-    return {r.data.tags[tracking.TAG_MODEL]: r for r in _runs(f"tags.`{tracking.TAG_MODEL}` != ''")}
+    return {r.data.tags[schema.TAG_MODEL]: r for r in _runs(f"tags.`{schema.TAG_MODEL}` != ''")}
 
 
 def _table(run, artifact: str) -> list[dict]:
-    raw = json.loads(tracking.download_artifact(run.info.run_id, artifact).read_text())
+    raw = json.loads(store.download_artifact(run.info.run_id, artifact).read_text())
     return [dict(zip(raw["columns"], row)) for row in raw["data"]]
 
 
@@ -230,7 +232,7 @@ def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
     out = capsys.readouterr().out
     for name in ("seed", "control", "compressed"):
         assert f"{name} " in out
-    (parent,) = [r for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'evaluate'") if tracking.TAG_MODEL not in r.data.tags]
+    (parent,) = [r for r in _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate'") if schema.TAG_MODEL not in r.data.tags]
     assert parent.info.status == "FINISHED"
     children = _child_runs()
     assert set(children) == {"seed", "control", "compressed"}
@@ -239,24 +241,24 @@ def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
     for name, run in children.items():
         assert run.info.status == "FINISHED"
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert run.data.tags[tracking.TAG_STAGE] == tracking.STAGE_EVALUATE
-        assert run.data.tags[tracking.TAG_PLAN] == PLAN
+        assert run.data.tags[schema.TAG_STAGE] == schema.STAGE_EVALUATE
+        assert run.data.tags[schema.TAG_PLAN] == PLAN
         m = run.data.metrics
-        assert set(m) >= {tracking.M_ACCURACY, tracking.M_RETENTION_NLL, *(tracking.M_ACCURACY_PREFIX + f for f in families)}
-        cases = _table(run, tracking.ART_TEST_TABLE)
+        assert set(m) >= {schema.M_ACCURACY, schema.M_RETENTION_NLL, *(schema.M_ACCURACY_PREFIX + f for f in families)}
+        cases = _table(run, schema.ART_TEST_TABLE)
         assert [c["case_id"] for c in cases] == [c["case_id"] for c in prepared_test]
         assert all(c["correct"] == (c["score"] == 1.0) for c in cases)
-        assert m[tracking.M_ACCURACY] == sum(c["correct"] for c in cases) / len(cases)
-        docs = _table(run, tracking.ART_RETENTION_TABLE)
+        assert m[schema.M_ACCURACY] == sum(c["correct"] for c in cases) / len(cases)
+        docs = _table(run, schema.ART_RETENTION_TABLE)
         assert len(docs) == config.load("tiny").data.retention_docs
         assert all(d["tokens"] > 0 and d["mean_nll"] == pytest.approx(d["nll_sum"] / d["tokens"]) for d in docs)
     # The candidates are copies of the seed: the same scores, case by case.
-    assert _table(children["seed"], tracking.ART_TEST_TABLE) == _table(children["compressed"], tracking.ART_TEST_TABLE)
+    assert _table(children["seed"], schema.ART_TEST_TABLE) == _table(children["compressed"], schema.ART_TEST_TABLE)
 
 
 def _failed_evaluate_error() -> str:
-    (run,) = _runs(f"tags.`{tracking.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
-    return run.data.tags[tracking.TAG_ERROR]
+    (run,) = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
+    return run.data.tags[schema.TAG_ERROR]
 
 
 @pytest.mark.slow
@@ -293,19 +295,20 @@ def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, plan
 
 
 def test_evaluate_refuses_an_empty_test_set(planned, monkeypatch, capsys, tmp_path):
-    from coopstudy import candidates, data
+    from coopstudy.commit import candidates
+    from coopstudy.inputs import data
 
     # An empty prepared test cannot come out of prepare (the config forbids
     # it), so the step is given one.
     monkeypatch.setattr(candidates, "verified_selection", lambda cfg, plan_sha, ledger: candidates.Selection({}, "run0"))
     empty = data.Prepared(folder=tmp_path, digest="0" * 64, train=[], retention=[], test=[], schedule=[], manifest={})
-    monkeypatch.setattr(data, "load_prepared", lambda cfg: empty)
+    monkeypatch.setattr(require, "inputs", lambda cfg: empty)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
     assert f"the final test set in {tmp_path} is empty" in capsys.readouterr().err
     assert "is empty" in _failed_evaluate_error()
 
 
 def _ledger_candidates():
-    from coopstudy import ledger
+    from coopstudy.commit import ledger
 
     return [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]

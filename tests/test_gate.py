@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from coopstudy import cli as cli_mod, config, gate, ledger, tracking
+from coopstudy import cli as cli_mod
+from coopstudy import config
+from coopstudy.commit import ledger, receipts, require, sources
 from coopstudy.errors import RefusedError
-
-PACKAGE = Path(gate.__file__).resolve().parent
+from coopstudy.numerics import gate
+from coopstudy.record import schema, store
 
 
 def _gate_runs() -> list:
-    client = MlflowClient(tracking_uri=tracking.tracking_uri())
+    client = MlflowClient(tracking_uri=store.tracking_uri())
     exp = client.get_experiment_by_name("coopstudy")
-    return client.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_VERIFY}'")
+    return client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_VERIFY}'")
 
 
 def test_verify_passes_and_its_receipt_binds_the_numerical_sources(cli, tmp_path):
@@ -30,38 +32,38 @@ def test_verify_passes_and_its_receipt_binds_the_numerical_sources(cli, tmp_path
     for case in gate.gate_cases():
         assert case.name[:20] in done.stdout
 
-    entry = ledger.Ledger().latest(ledger.GATE, gate.SUBJECT)
-    sha, files = gate.numerical_sources_sha256()
+    entry = ledger.Ledger().latest(ledger.GATE, sources.GATE_SUBJECT)
+    sha, files = sources.numerical_sources_sha256()
     assert entry.details["sources_sha256"] == sha and entry.details["sources"] == files
     assert entry.details["max_rel_error"] <= gate.TOLERANCE
 
     (run,) = _gate_runs()
     assert run.info.status == "FINISHED"
-    assert run.data.tags[tracking.TAG_GATE] == entry.digest
-    assert run.data.tags[tracking.TAG_COMMITMENT_PREFIX + ledger.GATE] == entry.digest
-    assert run.data.metrics[tracking.M_GATE_MAX_REL_ERROR] <= gate.TOLERANCE
-    receipt = json.loads(Path(tracking.download_artifact(run.info.run_id, tracking.ART_GATE_RECEIPT, tmp_path)).read_text())
-    assert gate.receipt_digest(receipt) == entry.digest
-    assert receipt["passed"] and receipt["libraries"] == gate.library_versions()
+    assert run.data.tags[schema.TAG_GATE] == entry.digest
+    assert run.data.tags[schema.TAG_COMMITMENT_PREFIX + ledger.GATE] == entry.digest
+    assert run.data.metrics[schema.M_GATE_MAX_REL_ERROR] <= gate.TOLERANCE
+    receipt = json.loads(Path(store.download_artifact(run.info.run_id, schema.ART_GATE_RECEIPT, tmp_path)).read_text())
+    assert receipts.gate_receipt_digest(receipt) == entry.digest
+    assert receipt["passed"] and receipt["libraries"] == sources.library_versions()
     assert {row["case"] for row in receipt["rows"]} == {c.name for c in gate.gate_cases()}
     assert {row["update"] for row in receipt["rows"]} == {1, 2}
 
-    assert gate.require_gate_receipt() == entry
+    assert require.gate_receipt() == entry
     # The same sources elsewhere still match; one edited byte in a copy does not.
     copy = tmp_path / "sources"
-    copy.mkdir()
-    for name in gate.SOURCES:
-        shutil.copy(PACKAGE / name, copy / name)
-    assert gate.require_gate_receipt(directory=copy) == entry
-    with open(copy / "objective.py", "a") as fh:
+    (copy / sources.NUMERICS).mkdir(parents=True)
+    for name in sources.numerical_sources():
+        shutil.copy(sources.PACKAGE / name, copy / name)
+    assert require.gate_receipt(directory=copy) == entry
+    with open(copy / "numerics/objective.py", "a") as fh:
         fh.write("\n")
-    with pytest.raises(RefusedError, match=r"numerical sources changed since the gate receipt: objective.py; run `python -m coopstudy verify`"):
-        gate.require_gate_receipt(directory=copy)
+    with pytest.raises(RefusedError, match=r"numerical sources changed since the gate receipt: numerics/objective.py; run `python -m coopstudy verify`"):
+        require.gate_receipt(directory=copy)
 
 
 def _divide_by_microbatch_weight() -> None:
     """The classic mistake: each microbatch normalized by its own weight."""
-    from coopstudy import objective
+    from coopstudy.numerics import objective
 
     def broken(net, mb, total_weight, world_size):
         weighted_sum = net(mb.input_ids, mb.attention_mask, mb.weights)
@@ -84,15 +86,15 @@ def test_the_gate_fails_and_names_quantity_and_case_when_normalization_is_broken
 
 def test_no_receipt_means_training_is_refused():
     with pytest.raises(RefusedError, match=r"no gate receipt for the numerical sources in .*; run `python -m coopstudy verify`"):
-        gate.require_gate_receipt()
+        require.gate_receipt()
 
 
 def test_a_receipt_from_other_library_versions_is_refused():
-    sha, files = gate.numerical_sources_sha256()
-    libs = gate.library_versions() | {"torch": "0.0.1"}
-    ledger.Ledger().append(ledger.GATE, gate.SUBJECT, "0" * 64, {"sources_sha256": sha, "sources": files, "libraries": libs})
+    sha, files = sources.numerical_sources_sha256()
+    libs = sources.library_versions() | {"torch": "0.0.1"}
+    ledger.Ledger().append(ledger.GATE, sources.GATE_SUBJECT, "0" * 64, {"sources_sha256": sha, "sources": files, "libraries": libs})
     with pytest.raises(RefusedError, match=r"library versions changed since the gate receipt: torch 0.0.1 -> "):
-        gate.require_gate_receipt()
+        require.gate_receipt()
 
 
 def test_a_failed_gate_is_recorded_and_commits_nothing(monkeypatch, capsys):
@@ -105,16 +107,16 @@ def test_a_failed_gate_is_recorded_and_commits_nothing(monkeypatch, capsys):
         "coopstudy verify: error: equivalence gate failed: case 'unequal-lengths', update 1, rank 0: "
         "loss (batched 2, reference 1) differs by 0.5 relative (tolerance 1e-09)"
     )
-    assert ledger.Ledger().latest(ledger.GATE, gate.SUBJECT) is None
+    assert ledger.Ledger().latest(ledger.GATE, sources.GATE_SUBJECT) is None
     (run,) = _gate_runs()
     assert run.info.status == "FAILED"
-    assert run.data.metrics[tracking.M_GATE_MAX_REL_ERROR] == 0.5
+    assert run.data.metrics[schema.M_GATE_MAX_REL_ERROR] == 0.5
 
 
 def test_verify_help_says_what_the_gate_checks():
-    from coopstudy.stages import verify
+    from coopstudy.steps import verify
 
     text = " ".join(verify.DESCRIPTION.split())
     assert f"relative error of {gate.TOLERANCE:.0e}" in text
     assert ", ".join(c.name for c in gate.gate_cases()) in text
-    assert ", ".join(gate.SOURCES) in text and repr(gate.SUBJECT) in text
+    assert ", ".join(sources.numerical_sources()) in text and repr(sources.GATE_SUBJECT) in text

@@ -10,10 +10,9 @@ import shutil
 import mlflow
 import pytest
 import torch
-
-from coopstudy import tracking
-
 from conftest import run_cli
+
+from coopstudy.record import schema, store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,7 +38,7 @@ def _train(arm: str, tmp_path) -> tuple[mlflow.entities.Run, dict]:
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name("coopstudy")
     (run,) = client.search_runs([exp.experiment_id], f"attributes.run_name = 'train-{arm}-tiny'")
-    summary = json.loads((tracking.download_artifact(run.info.run_id, tracking.ART_TRAIN_SUMMARY, tmp_path)).read_text())
+    summary = json.loads((store.download_artifact(run.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path)).read_text())
     return run, summary
 
 
@@ -48,8 +47,8 @@ def _check_cuda_record(run, summary) -> None:
     assert summary["device"].startswith("cuda")
     assert summary["allocator"] == "expandable_segments:True"
     m = run.data.metrics
-    assert m[tracking.M_CUDA_MAX_ALLOCATED_MB] > 0
-    assert m[tracking.M_CUDA_MAX_RESERVED_MB] >= m[tracking.M_CUDA_MAX_ALLOCATED_MB]
+    assert m[schema.M_CUDA_MAX_ALLOCATED_MB] > 0
+    assert m[schema.M_CUDA_MAX_RESERVED_MB] >= m[schema.M_CUDA_MAX_ALLOCATED_MB]
     assert all(rank["cuda_max_allocated_mb"] > 0 for rank in summary["memory_by_rank"])
 
 
@@ -64,4 +63,4 @@ def test_compressed_arm_over_nccl_logs_cuda_memory(tmp_path):
     run, summary = _train("compressed", tmp_path)
     _check_cuda_record(run, summary)
     assert summary["backend"] == "nccl" and summary["workers"] == 2
-    assert run.data.metrics[tracking.M_BYTES_COMPRESSED] > 0
+    assert run.data.metrics[schema.M_BYTES_COMPRESSED] > 0

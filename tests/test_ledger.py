@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coopstudy.ledger import Ledger, LedgerError
+from coopstudy.commit.ledger import Ledger, LedgerError
 
 
 @pytest.fixture

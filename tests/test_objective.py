@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from coopstudy import batching, config, objective, update
-from coopstudy.distributed import DistContext
-from coopstudy.gate import gate_model
+from coopstudy import config
+from coopstudy.numerics import batching, objective, update
+from coopstudy.numerics.distributed import DistContext
+from coopstudy.numerics.gate import gate_model
 
 ONE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 

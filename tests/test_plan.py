@@ -16,12 +16,14 @@ from pathlib import Path
 
 import mlflow
 import pytest
-
-from coopstudy import config, data, ledger, plan, tracking, workspace
-from coopstudy.errors import ConfigError, RefusedError
-
 from conftest import ROOT, run_cli
 from test_probe import probed_tiny_store  # noqa: F401 - fixture
+
+from coopstudy import config, workspace
+from coopstudy.commit import budget, ledger, plan, receipts, require
+from coopstudy.errors import ConfigError, RefusedError
+from coopstudy.inputs import data
+from coopstudy.record import schema, store
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +55,7 @@ def _runs(filter_string: str) -> list:
 
 
 def _receipt(name: str) -> dict:
-    return json.loads((plan.probe_dir(config.load("tiny")) / name).read_text())
+    return json.loads((receipts.probe_dir(config.load("tiny")) / name).read_text())
 
 
 def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_path):
@@ -65,7 +67,7 @@ def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_pat
     assert doc["sources"]["files"] == gate_entry.details["sources"]
     assert doc["gate_receipt"] == gate_entry.digest
     assert doc["inputs"]["sha256"] == inputs_entry.digest
-    folder = plan.probe_dir(cfg)
+    folder = receipts.probe_dir(cfg)
     assert doc["probe_receipts"] == {p.name: workspace.sha256_file(p) for p in folder.glob("*.json")}
     assert len(doc["probe_receipts"]) == len(cfg.probe.candidates)
     assert doc["config"] == cfg.model_dump(mode="json") and doc["screens"]["min_speedup"] == 1.10
@@ -81,8 +83,8 @@ def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_pat
     assert doc["choice"]["compressed"]["default"]["largest_completed_microbatch"] == 3
     # Shown, on record, and committed once.
     assert "plan: each arm's setting and projection" in done.stdout and f"plan {sha} committed" in done.stdout
-    (run,) = _runs(f"attributes.run_name = 'plan-tiny' and tags.`{tracking.TAG_PLAN}` = '{sha}'")
-    assert json.loads(tracking.download_artifact(run.info.run_id, tracking.ART_PLAN, tmp_path).read_text()) == doc
+    (run,) = _runs(f"attributes.run_name = 'plan-tiny' and tags.`{schema.TAG_PLAN}` = '{sha}'")
+    assert json.loads(store.download_artifact(run.info.run_id, schema.ART_PLAN, tmp_path).read_text()) == doc
     again = run_cli("plan", "--preset", "tiny")
     assert again.returncode == 0 and f"plan {sha} unchanged, already committed" in again.stdout
     assert [e.digest for e in ledger.Ledger().entries() if e.kind == ledger.PLAN and e.subject == plan.subject(cfg)] == [sha]
@@ -105,10 +107,10 @@ def _edit(path: Path) -> bytes:
 def test_train_refuses_after_a_hashed_file_changes_naming_it(planned, what):
     cfg = config.load("tiny")
     if what == "receipt":
-        path = plan.probe_dir(cfg) / "control-mb4-default.json"
+        path = receipts.probe_dir(cfg) / "control-mb4-default.json"
         named = f"changed since the plan {planned[0][:12]} was committed: probe receipt control-mb4-default.json (changed)"
     else:
-        path = data.load_prepared(cfg).folder / "train.jsonl"
+        path = require.inputs(cfg).folder / "train.jsonl"
         named = f"prepared inputs {path.parent}: train.jsonl changed since it was committed"
     original = _edit(path)
     try:
@@ -118,7 +120,7 @@ def test_train_refuses_after_a_hashed_file_changes_naming_it(planned, what):
     assert done.returncode == 2
     assert named in done.stderr, done.stderr
     failed = _runs("attributes.run_name = 'train-control-tiny'")[0]
-    assert failed.info.status == "FAILED" and named in failed.data.tags[tracking.TAG_ERROR]
+    assert failed.info.status == "FAILED" and named in failed.data.tags[schema.TAG_ERROR]
 
 
 def test_train_refuses_after_a_numerical_source_changes_naming_it(planned, tmp_path):
@@ -126,7 +128,7 @@ def test_train_refuses_after_a_numerical_source_changes_naming_it(planned, tmp_p
     project = tmp_path / "checkout"
     shutil.copytree(ROOT / "src" / "coopstudy", project / "src" / "coopstudy", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "configs", project / "configs")
-    _edit(project / "src" / "coopstudy" / "update.py")
+    _edit(project / "src" / "coopstudy" / "numerics" / "update.py")
     done = run_cli("train", "--preset", "tiny", "--arm", "control", env={"PYTHONPATH": str(project / "src")})
     assert done.returncode == 2
     # The gate receipt, which the plan hashes, no longer covers the sources.
@@ -139,27 +141,27 @@ def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(pla
     # $1 a second: the projection in dollars is the projection in seconds. An
     # allocation of 1.2 projections lets one control run start, and refuses a
     # second one whatever the first really spent beyond a fifth of it.
-    projected = plan.projection(cfg, _receipt("control-mb4-default.json"))["seconds"]
-    budget = ("--set", "budget.hourly_price_usd=3600", f"budget.allocation_usd={1.2 * projected:.3f}")
-    committed = run_cli("plan", "--preset", "tiny", *budget)
+    projected = budget.projection(cfg, _receipt("control-mb4-default.json"))["seconds"]
+    priced = ("--set", "budget.hourly_price_usd=3600", f"budget.allocation_usd={1.2 * projected:.3f}")
+    committed = run_cli("plan", "--preset", "tiny", *priced)
     assert committed.returncode == 0, committed.stderr[-3000:]
-    sha = ledger.Ledger().latest(ledger.PLAN, plan.subject(config.load("tiny", budget[1:]))).digest
+    sha = ledger.Ledger().latest(ledger.PLAN, plan.subject(config.load("tiny", priced[1:]))).digest
 
-    first = run_cli("train", "--preset", "tiny", "--arm", "control", *budget)
+    first = run_cli("train", "--preset", "tiny", "--arm", "control", *priced)
     assert first.returncode == 0, first.stderr[-3000:]
-    (ran,) = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED' and tags.`{tracking.TAG_PLAN}` = '{sha}'")
+    (ran,) = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED' and tags.`{schema.TAG_PLAN}` = '{sha}'")
     m = ran.data.metrics
-    assert ran.data.tags[tracking.TAG_REQUIRES_PREFIX + ledger.PLAN] == sha
-    assert m[tracking.M_PROJECTED_SECONDS] == pytest.approx(projected) and m[tracking.M_SPENT_BEFORE_USD] == 0
-    assert m[tracking.M_COST_USD] == pytest.approx(m[tracking.M_DEVICE_SECONDS])
+    assert ran.data.tags[schema.TAG_REQUIRES_PREFIX + ledger.PLAN] == sha
+    assert m[schema.M_PROJECTED_SECONDS] == pytest.approx(projected) and m[schema.M_SPENT_BEFORE_USD] == 0
+    assert m[schema.M_COST_USD] == pytest.approx(m[schema.M_DEVICE_SECONDS])
 
-    second = run_cli("train", "--preset", "tiny", "--arm", "control", *budget)
+    second = run_cli("train", "--preset", "tiny", "--arm", "control", *priced)
     assert second.returncode == 2
     assert "budget: training control would pass the allocation" in second.stderr
-    assert f"spent ${m[tracking.M_COST_USD]:.2f} (probes $0.00, 1 earlier train run(s) of plan {sha[:12]})" in second.stderr, second.stderr
-    refused = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FAILED' and tags.`{tracking.TAG_PLAN}` = '{sha}'")[0]
-    assert refused.data.metrics[tracking.M_SPENT_BEFORE_USD] == pytest.approx(m[tracking.M_COST_USD])
-    assert tracking.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
+    assert f"spent ${m[schema.M_COST_USD]:.2f} (probes $0.00, 1 earlier train run(s) of plan {sha[:12]})" in second.stderr, second.stderr
+    refused = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FAILED' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
+    assert refused.data.metrics[schema.M_SPENT_BEFORE_USD] == pytest.approx(m[schema.M_COST_USD])
+    assert schema.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
 
 
 def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):
@@ -171,7 +173,7 @@ def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):
     assert "deadline: training control then compressed is projected to take" in done.stderr
     assert "after budget.deadline 2000-01-01T00:00:00+00:00" in done.stderr
     (parent,) = _runs("attributes.run_name = 'train-both-tiny'")
-    assert parent.info.status == "FAILED" and parent.data.tags[tracking.TAG_PLAN]
+    assert parent.info.status == "FAILED" and parent.data.tags[schema.TAG_PLAN]
     assert not _runs("attributes.run_name = 'train-compressed-tiny'")
 
 
@@ -181,11 +183,11 @@ def test_the_deadline_is_the_projected_end(planned):
     seconds = doc["arms"]["control"]["projection"]["seconds"]
     for margin, refused in ((-1, True), (1, False)):
         cfg = config.load("tiny", [f'budget.deadline="{(now + timedelta(seconds=seconds + margin)).isoformat()}"'])
-        projected = plan.projected(cfg, sha, doc, ("control",))
+        projected = budget.projected(cfg, sha, doc, ("control",))
         if refused:
             with pytest.raises(RefusedError, match="deadline: training control is projected"):
-                plan.check_budget(cfg, sha, projected, now=now)
+                budget.check_budget(cfg, sha, projected, now=now)
         else:
-            plan.check_budget(cfg, sha, projected, now=now)
+            budget.check_budget(cfg, sha, projected, now=now)
     with pytest.raises(ConfigError, match="budget.deadline: Input should have timezone info"):
         config.load("tiny", ['budget.deadline="2030-01-01T00:00:00"'])

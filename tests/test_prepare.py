@@ -8,8 +8,11 @@ import json
 import mlflow
 import pytest
 
-from coopstudy import cli, config, data, ledger, tracking
+from coopstudy import cli, config
+from coopstudy.commit import ledger, require
 from coopstudy.errors import RefusedError
+from coopstudy.inputs import data
+from coopstudy.record import schema
 
 # The shared seed and prepared-store fixtures (made once per session).
 
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.slow
 def _prepare_runs(uri: str) -> list:
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("coopstudy")
-    return client.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_STAGE}` = 'prepare'", order_by=["attributes.start_time ASC"])
+    return client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = 'prepare'", order_by=["attributes.start_time ASC"])
 
 
 def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
@@ -32,16 +35,16 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     (entry,) = ledger.Ledger(prepared_tiny.home / "ledger.jsonl").entries()
     assert (entry.kind, entry.subject) == (ledger.INPUTS, data.inputs_key(cfg))
     tags = run.data.tags
-    assert tags[tracking.TAG_INPUTS] == tags[tracking.TAG_COMMITMENT_PREFIX + ledger.INPUTS] == entry.digest
+    assert tags[schema.TAG_INPUTS] == tags[schema.TAG_COMMITMENT_PREFIX + ledger.INPUTS] == entry.digest
     assert entry.digest in prepared_tiny.first_run.stdout
 
     client = mlflow.MlflowClient(tracking_uri=prepared_tiny.tracking_uri)
-    manifest_path = client.download_artifacts(run.info.run_id, tracking.ART_MANIFEST, str(tmp_path))
+    manifest_path = client.download_artifacts(run.info.run_id, schema.ART_MANIFEST, str(tmp_path))
     raw = open(manifest_path, "rb").read()
     assert data.workspace.sha256_bytes(raw) == entry.digest
     manifest = json.loads(raw)
-    assert tags[tracking.TAG_SEED_SHA] == manifest["seed_model"]["sha256"]
-    assert run.data.params[tracking.PARAM_SEED_PARAMETERS] == str(manifest["seed_model"]["parameters"])
+    assert tags[schema.TAG_SEED_SHA] == manifest["seed_model"]["sha256"]
+    assert run.data.params[schema.PARAM_SEED_PARAMETERS] == str(manifest["seed_model"]["parameters"])
 
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(inputs) == set(data.FILES)
@@ -50,11 +53,11 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
         assert json.loads(d.dataset.source)["sha256"] == manifest["files"][name]["sha256"]
 
     metrics = run.data.metrics
-    assert metrics[tracking.M_PREPARE_TRUNCATED] == manifest["truncation"]["documents"] > 0
-    assert metrics[tracking.M_PREPARE_TRUNCATED_TOKENS] == manifest["truncation"]["tokens"]
-    assert metrics[tracking.M_PREPARE_SECONDS] > 0
+    assert metrics[schema.M_PREPARE_TRUNCATED] == manifest["truncation"]["documents"] > 0
+    assert metrics[schema.M_PREPARE_TRUNCATED_TOKENS] == manifest["truncation"]["tokens"]
+    assert metrics[schema.M_PREPARE_SECONDS] > 0
 
-    prepared = data.load_prepared(cfg)
+    prepared = require.inputs(cfg)
     assert prepared.digest == entry.digest
     assert (len(prepared.train), len(prepared.retention), len(prepared.test)) == (64, 8, 16)
     assert len(prepared.schedule) == cfg.train.updates and {len(b) for b in prepared.schedule} == {cfg.train.global_batch}
@@ -64,8 +67,8 @@ def test_a_second_run_reproduces_the_hashes_and_reuses_the_folder(prepared_tiny,
     assert cli.main(["prepare", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     first, second = _prepare_runs(prepared_tiny.tracking_uri)
-    assert first.data.tags[tracking.TAG_INPUTS] == second.data.tags[tracking.TAG_INPUTS]
-    assert f"inputs sha256 {second.data.tags[tracking.TAG_INPUTS]}: reused" in out
+    assert first.data.tags[schema.TAG_INPUTS] == second.data.tags[schema.TAG_INPUTS]
+    assert f"inputs sha256 {second.data.tags[schema.TAG_INPUTS]}: reused" in out
     assert "already committed" in out
     assert len(ledger.Ledger().entries()) == 1
 
@@ -78,12 +81,12 @@ def test_a_changed_prepared_file_is_refused_by_name(prepared_tiny):
     lines[3] = json.dumps(doc)
     (folder / data.TRAIN).write_text("\n".join(lines) + "\n")
     with pytest.raises(RefusedError, match=r"train\.jsonl changed since it was committed"):
-        data.load_prepared(config.load("tiny"))
+        require.inputs(config.load("tiny"))
 
 
 def test_inputs_that_were_never_prepared_are_refused():
     with pytest.raises(RefusedError, match="no inputs commitment .* run `python -m coopstudy prepare --preset tiny`"):
-        data.load_prepared(config.load("tiny"))
+        require.inputs(config.load("tiny"))
 
 
 def test_a_changed_ledger_is_refused_in_one_line(prepared_tiny, capsys):

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
-
-from coopstudy import config, gate, ledger, plan, probe, tracking
-
 from conftest import run_cli
+
+from coopstudy import config
+from coopstudy.commit import ledger, receipts, sources
+from coopstudy.record import schema, store
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +66,11 @@ def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> ProbedStore:
     return _made["probed"]  # type: ignore[return-value]
 
 
-def copy_store(store: ProbedStore, dst: Path, monkeypatch: pytest.MonkeyPatch) -> ProbedStore:
+def copy_store(probed: ProbedStore, dst: Path, monkeypatch: pytest.MonkeyPatch) -> ProbedStore:
     """A copy the caller may change, with the environment pointing at it."""
-    copy = ProbedStore(dst / "home", dst / "mlflow.db", store.probe_run)
-    shutil.copytree(store.home, copy.home)
-    shutil.copy(store.db, copy.db)
+    copy = ProbedStore(dst / "home", dst / "mlflow.db", probed.probe_run)
+    shutil.copytree(probed.home, copy.home)
+    shutil.copy(probed.db, copy.db)
     for key, value in copy.env().items():
         monkeypatch.setenv(key, value)
     return copy
@@ -88,25 +89,25 @@ def _runs(filter_string: str) -> list:
 
 def _sweep(setting: str) -> tuple:
     """(parent, {setting: child}) of the newest sweep that probed `setting`."""
-    child = _runs(f"tags.`{tracking.TAG_PROBE_SETTING}` = '{setting}'")[0]
+    child = _runs(f"tags.`{schema.TAG_PROBE_SETTING}` = '{setting}'")[0]
     parent = mlflow.MlflowClient().get_run(child.data.tags["mlflow.parentRunId"])
     children = _runs(f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    return parent, {run.data.tags[tracking.TAG_PROBE_SETTING]: run for run in children}
+    return parent, {run.data.tags[schema.TAG_PROBE_SETTING]: run for run in children}
 
 
 def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(probed_tiny, tmp_path):
     cfg = config.load("tiny")
     parent, children = _sweep("control-mb4-default")
     assert parent.info.status == "FINISHED" and parent.info.run_name == "probe-tiny"
-    assert parent.data.tags[tracking.TAG_STAGE] == tracking.STAGE_PROBE
+    assert parent.data.tags[schema.TAG_STAGE] == schema.STAGE_PROBE
     assert set(children) == GRID
-    receipts = plan.probe_receipts(cfg)
-    assert sorted(receipts) == sorted(f"{name}.json" for name in GRID)
+    kept = receipts.probe_receipts(cfg)
+    assert sorted(kept) == sorted(f"{name}.json" for name in GRID)
     entries = {e.subject.rsplit("/", 1)[1]: e for e in ledger.Ledger().entries() if e.kind == ledger.PROBE}
     (gate_entry,) = [e for e in ledger.Ledger().entries() if e.kind == ledger.GATE]
     for name in PRESET_SETTINGS:
-        run, receipt = children[name], receipts[f"{name}.json"]
-        assert run.info.status == "FINISHED" and run.data.tags[tracking.TAG_PROBE_OUTCOME] == "completed"
+        run, receipt = children[name], kept[f"{name}.json"]
+        assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_PROBE_OUTCOME] == "completed"
         assert receipt["outcome"] == "completed" and receipt["message"] is None
         assert receipt["run_id"] == run.info.run_id
         assert run.data.params[f"arms.{receipt['setting']['arm']}.microbatch"] == str(receipt["setting"]["microbatch"])
@@ -114,8 +115,8 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         seconds = receipt["update_seconds"]
         assert len(seconds) == cfg.probe.updates and all(s > 0 for s in seconds)
         assert receipt["median_update_seconds"] == statistics.median(seconds)
-        assert run.data.metrics[tracking.M_PROBE_MEDIAN_SECONDS] == pytest.approx(receipt["median_update_seconds"])
-        assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, tracking.M_LOSS)) == cfg.probe.updates
+        assert run.data.metrics[schema.M_PROBE_MEDIAN_SECONDS] == pytest.approx(receipt["median_update_seconds"])
+        assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, schema.M_LOSS)) == cfg.probe.updates
         assert receipt["complete_seconds"] > sum(seconds)
         # Memory of every rank, under the preset's capacity; CPU figures only.
         ranks = receipt["memory_by_rank"]
@@ -124,16 +125,16 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         assert all("cuda_max_allocated_mb" not in r for r in ranks.values())
         assert receipt["device_type"] == "cpu"
         # What it ran on and with.
-        assert receipt["libraries"]["torch"] == gate.library_versions()["torch"]
+        assert receipt["libraries"]["torch"] == sources.library_versions()["torch"]
         assert receipt["sources"]["numerical_sha256"] == gate_entry.details["sources_sha256"]
         assert receipt["gate_receipt"] == gate_entry.digest
-        assert receipt["inputs"]["sha256"] == run.data.tags[tracking.TAG_REQUIRES_PREFIX + ledger.INPUTS]
+        assert receipt["inputs"]["sha256"] == run.data.tags[schema.TAG_REQUIRES_PREFIX + ledger.INPUTS]
         # Kept: on disk, hashed in the ledger and on the run.
-        assert entries[name].digest == run.data.tags[tracking.TAG_PROBE_RECEIPT]
-        stored = json.loads(tracking.download_artifact(run.info.run_id, tracking.ART_PROBE_RECEIPT, tmp_path / name).read_text())
+        assert entries[name].digest == run.data.tags[schema.TAG_PROBE_RECEIPT]
+        stored = json.loads(store.download_artifact(run.info.run_id, schema.ART_PROBE_RECEIPT, tmp_path / name).read_text())
         assert stored == receipt
     for name in GRID - set(PRESET_SETTINGS):
-        assert children[name].info.status == "FAILED" and receipts[f"{name}.json"]["outcome"] == "out_of_memory"
+        assert children[name].info.status == "FAILED" and kept[f"{name}.json"]["outcome"] == "out_of_memory"
     # No checkpoint: probes keep no weights.
     assert not (probed_tiny.home / "checkpoints").exists()
 
@@ -143,12 +144,12 @@ def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probe
     assert "largest microbatch that completed, per arm and allocator" in out
     assert "control-mb4-default: completed" in out and "compressed-mb3-default: completed" in out
     parent, _ = _sweep("control-mb4-default")
-    choice = json.loads(tracking.download_artifact(parent.info.run_id, tracking.ART_PROBE_CHOICE, tmp_path).read_text())
+    choice = json.loads(store.download_artifact(parent.info.run_id, schema.ART_PROBE_CHOICE, tmp_path).read_text())
     assert choice["control"]["default"]["largest_completed_microbatch"] == 4
     assert choice["compressed"]["default"]["largest_completed_microbatch"] == 3
     assert choice["control"]["default"]["failed"] == []
-    assert parent.data.metrics[tracking.M_PROBE_COMPLETED] == 2
-    assert parent.data.metrics[tracking.M_PROBE_FAILED] == len(GRID) - 2
+    assert parent.data.metrics[schema.M_PROBE_COMPLETED] == 2
+    assert parent.data.metrics[schema.M_PROBE_FAILED] == len(GRID) - 2
     # Nothing was written back into the preset.
     assert config.load("tiny").arms.control.microbatch == 4
 
@@ -161,18 +162,18 @@ def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes
     # Both candidates were tried: the first failure did not end the sweep.
     assert set(children) == {"control-mb4-default", "control-mb2-default"}, done.stdout
     cfg = config.load("tiny", overrides[1:])
-    receipts = plan.probe_receipts(cfg)
+    kept = receipts.probe_receipts(cfg)
     for name, run in children.items():
         assert run.info.status == "FAILED"
-        assert run.data.tags[tracking.TAG_PROBE_OUTCOME] == "out_of_memory"
-        receipt = receipts[f"{name}.json"]
+        assert run.data.tags[schema.TAG_PROBE_OUTCOME] == "out_of_memory"
+        receipt = kept[f"{name}.json"]
         assert receipt["outcome"] == "out_of_memory"
         assert "exceeds the device capacity 64 MiB" in receipt["message"]
-        assert "DeviceOutOfMemory" in run.data.tags[f"{tracking.TAG_WORKER_ERROR_PREFIX}0"]
+        assert "DeviceOutOfMemory" in run.data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
         assert receipt["median_update_seconds"] is None and receipt["update_seconds"] == []
         assert receipt["memory_by_rank"]["0"]["peak_rss_mb"] > 64
     assert "out_of_memory" in done.stdout and "none" in done.stdout
-    assert parent.info.status == "FINISHED" and parent.data.metrics[tracking.M_PROBE_FAILED] == 2
+    assert parent.info.status == "FINISHED" and parent.data.metrics[schema.M_PROBE_FAILED] == 2
     # The plan will not pretend: the preset's setting failed its probe.
     refused = run_cli("plan", "--preset", "tiny", *overrides)
     assert refused.returncode == 2
@@ -201,8 +202,8 @@ def _rank(outcome: str, error: str | None = None, seconds: tuple[float, ...] = (
 
 
 def _receipt(ranks: dict, returncode: int, workers: int = 2) -> dict:
-    launched = probe.Launched(returncode, 10.0, "exit code 1" if returncode else "exit code 0")
-    return probe.make_receipt(
+    launched = receipts.Launched(returncode, 10.0, "exit code 1" if returncode else "exit code 0")
+    return receipts.probe_receipt(
         arm="compressed", microbatch=8, allocator="default", workers=workers, updates=3, capacity_mb=None,
         run_id="r", launched=launched, ranks=ranks, hourly_price_usd=1.0, context={},
     )
@@ -227,7 +228,7 @@ def test_choose_takes_the_largest_completed_microbatch_per_arm_and_allocator():
         return {"setting": {"arm": "control", "microbatch": mb, "allocator": alloc, "name": f"control-mb{mb}-{alloc}"},
                 "outcome": outcome, "median_update_seconds": median}
 
-    choice = probe.choose([rec(16, "default", "out_of_memory", None), rec(8, "default", "completed", 2.0),
+    choice = receipts.choose([rec(16, "default", "out_of_memory", None), rec(8, "default", "completed", 2.0),
                            rec(16, "expandable", "completed", 3.0), rec(12, "expandable", "completed", 2.5)])
     assert choice["control"]["default"] == {"largest_completed_microbatch": 8, "median_update_seconds": 2.0,
                                             "receipt": "control-mb8-default", "failed": [16]}
@@ -247,7 +248,7 @@ def test_on_cuda_the_capacity_is_the_allocators_and_its_figures_are_kept(prepare
     for capacity, outcome in ((8, "out_of_memory"), (4096, "completed")):
         done = run_cli("probe", "--preset", "tiny", "--set", grid, f"probe.device_capacity_mb={capacity}")
         assert done.returncode == 0, done.stderr[-3000:]
-        (receipt,) = plan.probe_receipts(config.load("tiny", [grid, f"probe.device_capacity_mb={capacity}"])).values()
+        (receipt,) = receipts.probe_receipts(config.load("tiny", [grid, f"probe.device_capacity_mb={capacity}"])).values()
         assert receipt["outcome"] == outcome, receipt["message"]
         memory = receipt["memory_by_rank"]["0"]
         assert {"cuda_max_allocated_mb", "cuda_max_reserved_mb", "cuda_reserved_unallocated_mb", "cuda_alloc_retries"} <= set(memory)

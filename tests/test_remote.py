@@ -26,11 +26,12 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from conftest import ROOT
 from mlflow.entities import ViewType
 
-from coopstudy import ledger, remote, tracking, workspace
-
-from conftest import ROOT
+from coopstudy import workspace
+from coopstudy.commit import ledger
+from coopstudy.record import schema, store, writer
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +125,7 @@ def server(tmp_path_factory):
 def _remote_env(remote_file: Path, home: Path, **extra: str) -> dict[str, str]:
     """The environment of a user whose record is the server named in the remote file."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
-    return env | {tracking.ENV_REMOTE_FILE: str(remote_file), "COOPSTUDY_HOME": str(home)} | extra
+    return env | {store.ENV_REMOTE_FILE: str(remote_file), "COOPSTUDY_HOME": str(home)} | extra
 
 
 def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -155,7 +156,7 @@ def study(server, tiny_seed_home, tmp_path_factory) -> Study:
 @pytest.fixture
 def http_defaults(monkeypatch):
     """In-process calls to a server set the short HTTP retries in os.environ; undone after the test."""
-    for name, value in remote.HTTP_DEFAULTS.items():
+    for name, value in store.HTTP_DEFAULTS.items():
         monkeypatch.setenv(name, value)
 
 
@@ -167,27 +168,27 @@ def _runs(client: mlflow.MlflowClient, filter_string: str = "") -> list:
 def test_every_stage_logs_to_the_server_with_its_artifacts(server, study):
     client = server.client()
     runs = _runs(client)
-    stages = {r.data.tags.get(tracking.TAG_STAGE) for r in runs}
+    stages = {r.data.tags.get(schema.TAG_STAGE) for r in runs}
     assert stages >= {"prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study"}, stages
     # The tiny probe grid holds one setting that must run out of memory; it stays on record.
     unfinished = [r for r in runs if r.info.status != "FINISHED"]
-    assert all(r.data.tags.get(tracking.TAG_PROBE_OUTCOME) == "out_of_memory" for r in unfinished), unfinished
+    assert all(r.data.tags.get(schema.TAG_PROBE_OUTCOME) == "out_of_memory" for r in unfinished), unfinished
     # Proxied: the record names the server's artifact store, never a path on the logging machine.
     assert all(r.info.artifact_uri.startswith("mlflow-artifacts:/") for r in runs)
     exp = client.get_experiment_by_name("coopstudy")
-    assert tracking.TAG_PREFLIGHT in exp.tags
+    assert schema.TAG_PREFLIGHT in exp.tags
     for arm in ("control", "compressed"):
-        (run,) = _runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train' and tags.`{tracking.TAG_ARM}` = '{arm}'")
-        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, tracking.M_LOSS))
+        (run,) = _runs(client, f"tags.`{schema.TAG_STAGE}` = 'train' and tags.`{schema.TAG_ARM}` = '{arm}'")
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, schema.M_LOSS))
         assert steps == list(range(1, 7)), (arm, steps)
-        names = {a.path for a in client.list_artifacts(run.info.run_id, tracking.ART_CHECKPOINT)}
-        assert f"{tracking.ART_CHECKPOINT}/model.safetensors" in names
+        names = {a.path for a in client.list_artifacts(run.info.run_id, schema.ART_CHECKPOINT)}
+        assert f"{schema.ART_CHECKPOINT}/model.safetensors" in names
     # Every rank of the compressed arm writes into the one run its stage opened: a probe
     # has each rank report itself there, and no rank opened a run of its own.
-    (probe,) = _runs(client, f"tags.`{tracking.TAG_PROBE_SETTING}` LIKE 'compressed-%'")
+    (probe,) = _runs(client, f"tags.`{schema.TAG_PROBE_SETTING}` LIKE 'compressed-%'")
     reports = {a.path for a in client.list_artifacts(probe.info.run_id, "probe_ranks")}
-    assert reports == {f"{tracking.ART_PROBE_RANK_PREFIX}{r}.json" for r in (0, 1)}
-    assert len(_runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train'")) == 2
+    assert reports == {f"{schema.ART_PROBE_RANK_PREFIX}{r}.json" for r in (0, 1)}
+    assert len(_runs(client, f"tags.`{schema.TAG_STAGE}` = 'train'")) == 2
     stored = list(server.artifacts.rglob("model.safetensors"))
     assert len(stored) == 2, stored
 
@@ -198,7 +199,7 @@ def test_candidate_checkpoint_comes_back_from_the_server_as_committed(server, st
     entries = [e for e in ledger.Ledger().entries() if e.kind == ledger.CANDIDATE]
     assert {e.details["arm"] for e in entries} == {"control", "compressed"}
     for entry in entries:
-        got = tracking.download_artifact(entry.details["train_run_id"], f"{tracking.ART_CHECKPOINT}/model.safetensors", tmp_path / entry.details["arm"])
+        got = store.download_artifact(entry.details["train_run_id"], f"{schema.ART_CHECKPOINT}/model.safetensors", tmp_path / entry.details["arm"])
         assert workspace.sha256_file(got) == entry.digest, entry.details["arm"]
 
 
@@ -206,8 +207,8 @@ def test_report_from_the_server_record_alone(server, study, tmp_path):
     # An empty workspace: nothing but the server's record to read.
     done = _coopstudy("report", "--preset", "tiny", "--out", str(tmp_path / "out"), env=_remote_env(study.remote_file, tmp_path / "empty-home"))
     assert done.returncode == 0, done.stderr[-3000:]
-    again = json.loads((tmp_path / "out" / tracking.ART_REPORT_JSON).read_text())
-    (first,) = study.home.glob(f"reports/*/{tracking.ART_REPORT_JSON}")
+    again = json.loads((tmp_path / "out" / schema.ART_REPORT_JSON).read_text())
+    (first,) = study.home.glob(f"reports/*/{schema.ART_REPORT_JSON}")
     original = json.loads(first.read_text())
     assert again["verdicts"] == original["verdicts"] and again["screens"] == original["screens"]
     assert again["candidates"] == original["candidates"]
@@ -254,26 +255,26 @@ def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tm
     monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COOPSTUDY_OUTBOX_GRACE_S", "0")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
-    rec = tracking.Recorder(run_id)
+    rec = writer.Recorder(run_id)
     for step in range(1, 6):
-        rec.log_metrics({tracking.M_LOSS: 1.0 / step}, step=step)
+        rec.log_metrics({schema.M_LOSS: 1.0 / step}, step=step)
     rec.set_tags({"kept": "yes"})
     rec.terminate("FINISHED")
     assert rec.finish() is False
     err = capsys.readouterr().err
     outbox = tmp_path / "home" / "outbox" / f"{run_id}.jsonl"
     assert err.count(" unreachable (") == 1, err
-    assert f"{tracking.M_LOSS} steps 1-5 (5)" in err and str(outbox) in err
-    assert f"python -m coopstudy.remote deliver {run_id}" in err
+    assert f"{schema.M_LOSS} steps 1-5 (5)" in err and str(outbox) in err
+    assert f"python -m coopstudy remote deliver {run_id}" in err
     assert outbox.is_file()
 
     done = subprocess.run(
-        [sys.executable, "-m", "coopstudy.remote", "deliver", "--tracking-uri", server.uri],
+        [sys.executable, "-m", "coopstudy", "remote", "deliver", "--tracking-uri", server.uri],
         cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     run = client.get_run(run_id)
-    assert sorted(m.step for m in client.get_metric_history(run_id, tracking.M_LOSS)) == [1, 2, 3, 4, 5]
+    assert sorted(m.step for m in client.get_metric_history(run_id, schema.M_LOSS)) == [1, 2, 3, 4, 5]
     assert run.data.tags["kept"] == "yes" and run.info.status == "FINISHED"
     assert not outbox.exists()
 
@@ -316,8 +317,8 @@ def test_training_goes_on_through_a_server_outage_and_keeps_every_update(server,
     assert proc.returncode == 0, (stdout[-2000:], stderr[-4000:])
     assert stderr.count(" unreachable (") == 1 and "delivered" in stderr, stderr[-4000:]
     client = server.client()
-    (run,) = _runs(client, f"tags.`{tracking.TAG_STAGE}` = 'train' and params.`train.updates` = '{OUTAGE_UPDATES}'")
-    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, tracking.M_LOSS))
+    (run,) = _runs(client, f"tags.`{schema.TAG_STAGE}` = 'train' and params.`train.updates` = '{OUTAGE_UPDATES}'")
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, schema.M_LOSS))
     assert steps == list(range(1, OUTAGE_UPDATES + 1))
-    assert run.info.status == "FINISHED" and tracking.TAG_CHECKPOINT_SHA in run.data.tags
+    assert run.info.status == "FINISHED" and schema.TAG_CHECKPOINT_SHA in run.data.tags
     assert not list((study.home / "outbox").glob("*.jsonl"))

@@ -13,8 +13,9 @@ import pytest
 
 from analysis import records
 from coopstudy import cli as cli_main
-from coopstudy import config, tracking
+from coopstudy import config
 from coopstudy.errors import RefusedError, UserError
+from coopstudy.record import schema, store, writer
 
 PLAN = "ab" * 32
 CANDIDATE = {"control": "c0" * 32, "compressed": "c1" * 32}
@@ -26,18 +27,18 @@ SEED = "5e" * 32
 
 def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -> str:
     devices = getattr(cfg.arms, arm).workers
-    tags = {tracking.TAG_CHECKPOINT_SHA: CANDIDATE[arm], tracking.TAG_SEED_SHA: SEED} | ({tracking.TAG_PLAN: plan} if plan else {})
-    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm=arm, tags=tags) as rec:
+    tags = {schema.TAG_CHECKPOINT_SHA: CANDIDATE[arm], schema.TAG_SEED_SHA: SEED} | ({schema.TAG_PLAN: plan} if plan else {})
+    with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags) as rec:
         for update in range(1, cfg.train.updates + 1):
             dense = arm == "compressed" and update <= cfg.powersgd.dense_updates
             rec.log_metrics(
                 {
-                    tracking.M_LOSS: 3.0 / update + (0.01 if arm == "compressed" else 0.0),
-                    tracking.M_GRAD_NORM: 1.0 / update,
-                    tracking.M_LR: 1e-3,
-                    tracking.M_UPDATE_SECONDS: active / cfg.train.updates * (1 + 0.1 * (update % 2)),
-                    tracking.M_TOKENS: 1000.0 + update,
-                    tracking.M_BYTES: 0.0 if arm == "control" else (40_000.0 if dense else 5_000.0),
+                    schema.M_LOSS: 3.0 / update + (0.01 if arm == "compressed" else 0.0),
+                    schema.M_GRAD_NORM: 1.0 / update,
+                    schema.M_LR: 1e-3,
+                    schema.M_UPDATE_SECONDS: active / cfg.train.updates * (1 + 0.1 * (update % 2)),
+                    schema.M_TOKENS: 1000.0 + update,
+                    schema.M_BYTES: 0.0 if arm == "control" else (40_000.0 if dense else 5_000.0),
                 },
                 step=update,
             )
@@ -45,15 +46,15 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
         compressed_bytes = 0.0 if arm == "control" else 5_000.0 * (cfg.train.updates - cfg.powersgd.dense_updates)
         rec.log_metrics(
             {
-                tracking.M_ACTIVE_SECONDS: active,
-                tracking.M_COMPLETE_SECONDS: complete,
-                tracking.M_CHECKPOINT_SECONDS: 1.25,
-                tracking.M_DEVICE_SECONDS: devices * complete,
-                tracking.M_BYTES_DENSE: dense_bytes,
-                tracking.M_BYTES_COMPRESSED: compressed_bytes,
-                tracking.M_BYTES_TOTAL: dense_bytes + compressed_bytes,
-                tracking.M_PEAK_RSS_MB: 800.0,
-                tracking.M_COST_USD: 0.0,
+                schema.M_ACTIVE_SECONDS: active,
+                schema.M_COMPLETE_SECONDS: complete,
+                schema.M_CHECKPOINT_SECONDS: 1.25,
+                schema.M_DEVICE_SECONDS: devices * complete,
+                schema.M_BYTES_DENSE: dense_bytes,
+                schema.M_BYTES_COMPRESSED: compressed_bytes,
+                schema.M_BYTES_TOTAL: dense_bytes + compressed_bytes,
+                schema.M_PEAK_RSS_MB: 800.0,
+                schema.M_COST_USD: 0.0,
             }
         )
         return rec.run_id
@@ -94,9 +95,9 @@ def make_study(
         "train/control": _train(cfg, "control", active=60.0, complete=80.0, plan=plan),
         "train/compressed": _train(cfg, "compressed", active=compressed_active, complete=60.0, plan=plan),
     }
-    tags = {tracking.TAG_CANDIDATE_PREFIX + arm: sha for arm, sha in CANDIDATE.items()}
-    tags |= {tracking.TAG_CANDIDATE_RUN_PREFIX + arm: ids[f"train/{arm}"] for arm in CANDIDATE}
-    with tracking.stage_run(tracking.STAGE_SELECT, cfg, tags=tags | ({tracking.TAG_PLAN: plan} if plan else {})) as rec:
+    tags = {schema.TAG_CANDIDATE_PREFIX + arm: sha for arm, sha in CANDIDATE.items()}
+    tags |= {schema.TAG_CANDIDATE_RUN_PREFIX + arm: ids[f"train/{arm}"] for arm in CANDIDATE}
+    with writer.stage_run(schema.STAGE_SELECT, cfg, tags=tags | ({schema.TAG_PLAN: plan} if plan else {})) as rec:
         ids["select"] = rec.run_id
     outcomes = {
         "seed": [1.0] * 40 + [0.5] * 20 + [0.0] * 140,
@@ -104,14 +105,14 @@ def make_study(
         "compressed": [1.0] * 120 + [0.0] * 80,
     }
     shifts = {"seed": 0.0, "control": 0.001, "compressed": 0.002}
-    plan_tags = {tracking.TAG_PLAN: plan} if plan else {}
-    with tracking.stage_run(tracking.STAGE_EVALUATE, cfg, tags=plan_tags):
+    plan_tags = {schema.TAG_PLAN: plan} if plan else {}
+    with writer.stage_run(schema.STAGE_EVALUATE, cfg, tags=plan_tags):
         for model in models:
-            weights = {tracking.TAG_CHECKPOINT_SHA: CANDIDATE.get(model, SEED)}
-            with tracking.stage_run(tracking.STAGE_EVALUATE, cfg, tags={tracking.TAG_MODEL: model} | weights | plan_tags) as rec:
-                rec.log_table(_case_rows(outcomes[model]), tracking.ART_TEST_TABLE)
-                rec.log_table(_retention_rows(shifts[model]), tracking.ART_RETENTION_TABLE)
-                rec.log_metrics({tracking.M_ACCURACY: sum(s >= 1.0 for s in outcomes[model]) / 200})
+            weights = {schema.TAG_CHECKPOINT_SHA: CANDIDATE.get(model, SEED)}
+            with writer.stage_run(schema.STAGE_EVALUATE, cfg, tags={schema.TAG_MODEL: model} | weights | plan_tags) as rec:
+                rec.log_table(_case_rows(outcomes[model]), schema.ART_TEST_TABLE)
+                rec.log_table(_retention_rows(shifts[model]), schema.ART_RETENTION_TABLE)
+                rec.log_metrics({schema.M_ACCURACY: sum(s >= 1.0 for s in outcomes[model]) / 200})
                 ids[f"evaluate/{model}"] = rec.run_id
     return ids
 
@@ -129,7 +130,7 @@ def _report(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def _report_runs() -> list:
-    return tracking.search_runs("coopstudy", f"tags.`{tracking.TAG_STAGE}` = '{tracking.STAGE_REPORT}'")
+    return store.search_runs("coopstudy", f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_REPORT}'")
 
 
 def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
@@ -138,12 +139,12 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert rc == 0, err
     assert "Pre-registered screens" in first_out and "quality: PASS" in first_out
 
-    report = json.loads((tmp_path / "a" / tracking.ART_REPORT_JSON).read_text())
+    report = json.loads((tmp_path / "a" / schema.ART_REPORT_JSON).read_text())
     assert report["verdicts"] == {"quality": "pass", "speed": "pass"}
     assert report["runs"] == dict(sorted(ids.items()))
     assert report["candidates"] == CANDIDATE
     assert report["study"]["grouped_by"] == "config"
-    assert report["study"]["key"] == tracking.config_sha256(tiny)
+    assert report["study"]["key"] == store.config_sha256(tiny)
     by_name = {s["name"]: s for s in report["screens"]}
     assert by_name["accuracy_gain"]["estimate"] == pytest.approx(0.40)
     assert by_name["accuracy_gain"]["run_ids"] == {"evaluate/compressed": ids["evaluate/compressed"], "evaluate/seed": ids["evaluate/seed"]}
@@ -167,17 +168,17 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     runs = _report_runs()
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     run = runs[0]
-    assert run.data.tags[tracking.TAG_VERDICT_PREFIX + "quality"] == "pass"
-    assert run.data.tags[tracking.TAG_VERDICT_PREFIX + "speed"] == "pass"
-    assert run.data.metrics[f"{tracking.M_SCREEN_PREFIX}active_speedup/estimate"] == pytest.approx(1.5)
-    logged = tracking.download_artifact(run.info.run_id, tracking.ART_REPORT_JSON, tmp_path / "dl")
+    assert run.data.tags[schema.TAG_VERDICT_PREFIX + "quality"] == "pass"
+    assert run.data.tags[schema.TAG_VERDICT_PREFIX + "speed"] == "pass"
+    assert run.data.metrics[f"{schema.M_SCREEN_PREFIX}active_speedup/estimate"] == pytest.approx(1.5)
+    logged = store.download_artifact(run.info.run_id, schema.ART_REPORT_JSON, tmp_path / "dl")
     assert logged.read_bytes() == (tmp_path / "b" / "report.json").read_bytes()
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
-    assert {tracking.ART_REPORT_JSON, tracking.ART_REPORT_MD, tracking.ART_REPORT_HTML} <= artifacts
+    assert {schema.ART_REPORT_JSON, schema.ART_REPORT_MD, schema.ART_REPORT_HTML} <= artifacts
 
     # The cost figures sit beside; no dense-communication claim anywhere.
-    md = (tmp_path / "a" / tracking.ART_REPORT_MD).read_text()
-    page = (tmp_path / "a" / tracking.ART_REPORT_HTML).read_text()
+    md = (tmp_path / "a" / schema.ART_REPORT_MD).read_text()
+    page = (tmp_path / "a" / schema.ART_REPORT_HTML).read_text()
     assert page.count("data:image/png;base64,") == 5
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)
     for body in (md, text, json.dumps(report), first_out):
@@ -191,8 +192,8 @@ def test_failed_screens_are_a_result_not_an_error(capsys, tiny, tmp_path):
     # selected, are evidence: the screens time the run whose weights were selected.
     _train(tiny, "compressed", active=10.0, complete=12.0, plan=None)
     with pytest.raises(RuntimeError):
-        with tracking.stage_run(tracking.STAGE_TRAIN, tiny, arm="compressed") as rec:
-            rec.log_metrics({tracking.M_ACTIVE_SECONDS: 1.0, tracking.M_COMPLETE_SECONDS: 1.0})
+        with writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed") as rec:
+            rec.log_metrics({schema.M_ACTIVE_SECONDS: 1.0, schema.M_COMPLETE_SECONDS: 1.0})
             raise RuntimeError("out of memory")
     rc, out, err = _report(capsys, "--out", str(tmp_path))
     assert rc == 0, err
@@ -209,7 +210,7 @@ def test_missing_role_is_refused_by_name(capsys, tiny):
     make_study(tiny, models=("seed", "control"))
     rc, _, err = _report(capsys)
     assert rc == 2
-    sha = tracking.config_sha256(tiny)
+    sha = store.config_sha256(tiny)
     assert "no FINISHED evaluate run for model compressed" in err
     assert f"config sha {sha}" in err
     assert len(err.strip().splitlines()) == 1
@@ -236,7 +237,7 @@ def test_report_config_must_be_the_studys(tiny):
     # study under its own sha, and under the study's plan it is refused.
     make_study(tiny, plan=PLAN)
     other = config.load("tiny", ["screens.min_speedup=1.0"])
-    with pytest.raises(RefusedError, match=f"config sha {tracking.config_sha256(other)}"):
+    with pytest.raises(RefusedError, match=f"config sha {store.config_sha256(other)}"):
         records.load(other)
     with pytest.raises(RefusedError, match="call report with the study's preset"):
         records.load(other, PLAN)
@@ -244,7 +245,7 @@ def test_report_config_must_be_the_studys(tiny):
 
 def test_evaluated_weights_must_be_the_selected_ones(tiny):
     make_study(tiny)
-    with tracking.stage_run(tracking.STAGE_EVALUATE, tiny, tags={tracking.TAG_MODEL: "compressed", tracking.TAG_CHECKPOINT_SHA: "ee" * 32}):
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_MODEL: "compressed", schema.TAG_CHECKPOINT_SHA: "ee" * 32}):
         pass
     with pytest.raises(RefusedError, match="scored compressed weights eeeeeeeeeeee, not the committed c1c1c1c1c1c1"):
         records.load(tiny)

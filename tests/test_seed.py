@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coopstudy import cli, config
-from coopstudy.seed import resolve_seed
+from coopstudy.inputs.seed import resolve_seed
 
 # The shared seed and prepared-store fixtures (made once per session).
 

@@ -13,11 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from coopstudy import candidates, cli, config, ledger, plan, tracking, workspace
-from coopstudy.errors import RefusedError, UserError
-
 from conftest import run_cli
+
+from coopstudy import cli, config, workspace
+from coopstudy.commit import candidates, ledger, require
+from coopstudy.config import ARMS
+from coopstudy.errors import RefusedError, UserError
+from coopstudy.record import schema, store, writer
 
 PLAN = "ab" * 32
 """The plan sha the `planned` fixture stands in for."""
@@ -26,7 +28,7 @@ PLAN = "ab" * 32
 @pytest.fixture
 def planned(monkeypatch) -> str:
     """A committed, unchanged plan (making a real one takes prepare, verify and probe)."""
-    monkeypatch.setattr(plan, "require_plan", lambda cfg: PLAN)
+    monkeypatch.setattr(require, "committed_plan", lambda cfg: PLAN)
     return PLAN
 
 
@@ -38,14 +40,14 @@ def fake_train_run(
     folder = workspace.subdir("checkpoints") / f"{arm}-{len(list(workspace.subdir('checkpoints').iterdir()))}"
     shutil.copytree(seed_dir, folder)
     if corrupt:
-        (folder / candidates.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+        (folder / workspace.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
     tags = {
-        tracking.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / candidates.WEIGHTS_FILE),
-        tracking.TAG_CHECKPOINT_PATH: str(folder),
-        tracking.TAG_PLAN: plan_sha,
+        schema.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / workspace.WEIGHTS_FILE),
+        schema.TAG_CHECKPOINT_PATH: str(folder),
+        schema.TAG_PLAN: plan_sha,
     }
     try:
-        with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
+        with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
             if status != "FINISHED":
                 raise UserError("training failed")
     except UserError:
@@ -54,15 +56,15 @@ def fake_train_run(
 
 
 def _tamper(folder: Path) -> None:
-    weights = folder / candidates.WEIGHTS_FILE
+    weights = folder / workspace.WEIGHTS_FILE
     blob = bytearray(weights.read_bytes())
     blob[-1] ^= 0xFF  # one bit pattern in the last tensor's data
     weights.write_bytes(bytes(blob))
 
 
 def _runs(stage: str, status: str | None = None) -> list:
-    flt = f"tags.`{tracking.TAG_STAGE}` = '{stage}'" + (f" and attributes.status = '{status}'" if status else "")
-    return tracking.search_runs("coopstudy", flt)
+    flt = f"tags.`{schema.TAG_STAGE}` = '{stage}'" + (f" and attributes.status = '{status}'" if status else "")
+    return store.search_runs("coopstudy", flt)
 
 
 @pytest.fixture
@@ -73,7 +75,7 @@ def cfg():
 @pytest.fixture
 def trained(cfg, tiny_seed, planned):
     """Both arms finished; arm -> (train run id, checkpoint folder)."""
-    return {arm: fake_train_run(cfg, arm, tiny_seed.path) for arm in candidates.ARMS}
+    return {arm: fake_train_run(cfg, arm, tiny_seed.path) for arm in ARMS}
 
 
 def _candidate_entries() -> list[ledger.Entry]:
@@ -83,17 +85,17 @@ def _candidate_entries() -> list[ledger.Entry]:
 def test_select_commits_both_candidates_once(cfg, trained, capsys):
     assert cli.main(["select", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    (select_run,) = _runs(tracking.STAGE_SELECT, "FINISHED")
-    assert select_run.data.tags[tracking.TAG_PLAN] == PLAN
+    (select_run,) = _runs(schema.STAGE_SELECT, "FINISHED")
+    assert select_run.data.tags[schema.TAG_PLAN] == PLAN
     entries = _candidate_entries()
     assert [e.subject for e in entries] == [f"{PLAN}/control", f"{PLAN}/compressed"]
     for e in entries:
         run_id, folder = trained[e.details["arm"]]
-        sha = workspace.sha256_file(folder / candidates.WEIGHTS_FILE)
+        sha = workspace.sha256_file(folder / workspace.WEIGHTS_FILE)
         assert e.digest == sha
         assert e.details["select_run_id"] == select_run.info.run_id and e.details["train_run_id"] == run_id
-        assert select_run.data.tags[tracking.TAG_CANDIDATE_PREFIX + e.details["arm"]] == sha
-        assert select_run.data.tags[tracking.TAG_CANDIDATE_RUN_PREFIX + e.details["arm"]] == run_id
+        assert select_run.data.tags[schema.TAG_CANDIDATE_PREFIX + e.details["arm"]] == sha
+        assert select_run.data.tags[schema.TAG_CANDIDATE_RUN_PREFIX + e.details["arm"]] == run_id
         assert f"{e.details['arm']:<10} sha256 {sha}" in out
 
     assert cli.main(["select", "--preset", "tiny"]) == 2
@@ -101,8 +103,8 @@ def test_select_commits_both_candidates_once(cfg, trained, capsys):
     assert f"the final candidates of plan {PLAN[:12]} were already selected at" in err
     assert f"by select run {select_run.info.run_id}" in err
     assert len(_candidate_entries()) == 2  # the first selection stands
-    (refused,) = _runs(tracking.STAGE_SELECT, "FAILED")
-    assert select_run.info.run_id in refused.data.tags[tracking.TAG_ERROR]
+    (refused,) = _runs(schema.STAGE_SELECT, "FAILED")
+    assert select_run.info.run_id in refused.data.tags[schema.TAG_ERROR]
 
 
 def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, planned, capsys):
@@ -113,7 +115,7 @@ def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, planned, ca
     assert f"arm compressed has not finished (its newest train run {failed_id} is FAILED)" in err
     assert "control" not in err and "--arm compressed`" in err
     assert not _candidate_entries()
-    assert _runs(tracking.STAGE_SELECT, "FAILED")
+    assert _runs(schema.STAGE_SELECT, "FAILED")
 
 
 def test_select_refuses_weights_changed_since_training(cfg, trained, capsys):
@@ -137,7 +139,7 @@ def test_select_takes_the_newest_finished_run_of_the_plan(cfg, tiny_seed):
 
 
 def test_select_refuses_a_train_run_without_a_checkpoint(cfg, trained):
-    with tracking.stage_run(tracking.STAGE_TRAIN, cfg, arm="compressed", log_config=False, tags={tracking.TAG_PLAN: PLAN}) as rec:
+    with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="compressed", log_config=False, tags={schema.TAG_PLAN: PLAN}) as rec:
         pass
     with pytest.raises(RefusedError, match=f"arm compressed: train run {rec.run_id} records no final checkpoint"):
         candidates.final_train_runs(cfg, PLAN)
@@ -150,7 +152,7 @@ def test_select_and_evaluate_refuse_without_a_plan():
         assert f"coopstudy {step}: error: no plan commitment" in done.stderr
         assert "Traceback" not in done.stderr
         (failed,) = _runs(step, "FAILED")
-        assert "no plan commitment" in failed.data.tags[tracking.TAG_ERROR]
+        assert "no plan commitment" in failed.data.tags[schema.TAG_ERROR]
 
 
 def test_evaluate_refuses_before_select(cfg, trained, capsys):
@@ -158,14 +160,14 @@ def test_evaluate_refuses_before_select(cfg, trained, capsys):
     err = capsys.readouterr().err
     assert f"no final candidates selected under plan {PLAN[:12]}" in err
     assert "run `python -m coopstudy select --preset tiny` first" in err
-    (failed,) = _runs(tracking.STAGE_EVALUATE, "FAILED")
-    assert "no final candidates selected" in failed.data.tags[tracking.TAG_ERROR]
-    assert failed.data.tags[tracking.TAG_PLAN] == PLAN
+    (failed,) = _runs(schema.STAGE_EVALUATE, "FAILED")
+    assert "no final candidates selected" in failed.data.tags[schema.TAG_ERROR]
+    assert failed.data.tags[schema.TAG_PLAN] == PLAN
 
 
 def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, capsys):
     assert cli.main(["select", "--preset", "tiny"]) == 0
-    (select_run,) = _runs(tracking.STAGE_SELECT, "FINISHED")
+    (select_run,) = _runs(schema.STAGE_SELECT, "FINISHED")
     _, folder = trained["compressed"]
     _tamper(folder)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
@@ -174,5 +176,5 @@ def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, c
     assert "they changed after selection, refusing to score them" in err
     shutil.rmtree(folder)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
-    assert f"the checkpoint weights {folder / candidates.WEIGHTS_FILE} are missing" in capsys.readouterr().err
-    assert len(_runs(tracking.STAGE_EVALUATE, "FAILED")) == 2
+    assert f"the checkpoint weights {folder / workspace.WEIGHTS_FILE} are missing" in capsys.readouterr().err
+    assert len(_runs(schema.STAGE_EVALUATE, "FAILED")) == 2

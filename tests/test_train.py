@@ -15,12 +15,13 @@ import time
 import mlflow
 import psutil
 import pytest
-
-from coopstudy import config, launch, lock, tracking, workspace
-from coopstudy.errors import RefusedError
-
 from conftest import ROOT, run_cli
 from test_probe import probed_tiny_store  # noqa: F401 - fixture
+
+from coopstudy import config, workspace
+from coopstudy.errors import RefusedError
+from coopstudy.record import schema, store
+from coopstudy.run import launch, lock
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +68,12 @@ def _history(run, name: str) -> list[float]:
 def both():
     # As `mlflow run . -e train -P arm=both` does: a project run is created
     # first and handed over in MLFLOW_RUN_ID; it becomes the parent of both arms.
-    project = _client().create_run(tracking.experiment_id("coopstudy")).info.run_id
+    project = _client().create_run(store.experiment_id("coopstudy")).info.run_id
     done = run_cli("train", "--preset", "tiny", "--arm", "both", env={"MLFLOW_RUN_ID": project})
     assert done.returncode == 0, done.stderr[-3000:]
     parent = _client().get_run(project)
     children = _runs(f"tags.`mlflow.parentRunId` = '{project}'")
-    return parent, {run.data.tags[tracking.TAG_ARM]: run for run in children}, done
+    return parent, {run.data.tags[schema.TAG_ARM]: run for run in children}, done
 
 
 def test_both_arms_sit_side_by_side_under_one_parent(both):
@@ -82,7 +83,7 @@ def test_both_arms_sit_side_by_side_under_one_parent(both):
     for arm, run in arms.items():
         assert run.info.status == "FINISHED"
         assert run.info.run_name == f"train-{arm}-tiny"
-        assert run.data.tags[tracking.TAG_STAGE] == tracking.STAGE_TRAIN
+        assert run.data.tags[schema.TAG_STAGE] == schema.STAGE_TRAIN
         assert run.data.params["train.updates"] == "6"
     # Control first, then compressed: never two training jobs at once.
     assert arms["control"].info.end_time <= arms["compressed"].info.start_time
@@ -92,25 +93,25 @@ def test_both_arms_sit_side_by_side_under_one_parent(both):
 
 def test_same_per_update_metrics_in_both_arms(both):
     _, arms, _ = both
-    per_update = (tracking.M_LOSS, tracking.M_GRAD_NORM, tracking.M_LR, tracking.M_UPDATE_SECONDS, tracking.M_TOKENS, tracking.M_BYTES)
+    per_update = (schema.M_LOSS, schema.M_GRAD_NORM, schema.M_LR, schema.M_UPDATE_SECONDS, schema.M_TOKENS, schema.M_BYTES)
     for run in arms.values():
         for name in per_update:
             steps = [m.step for m in _client().get_metric_history(run.info.run_id, name)]
             assert sorted(steps) == [1, 2, 3, 4, 5, 6], (run.info.run_name, name)
-    assert _history(arms["control"], tracking.M_TOKENS) == _history(arms["compressed"], tracking.M_TOKENS)
-    assert _history(arms["control"], tracking.M_LR) == _history(arms["compressed"], tracking.M_LR)
+    assert _history(arms["control"], schema.M_TOKENS) == _history(arms["compressed"], schema.M_TOKENS)
+    assert _history(arms["control"], schema.M_LR) == _history(arms["compressed"], schema.M_LR)
 
 
 def test_update_one_loss_is_the_same_in_both_arms_and_dense_updates_stay_close(both):
     _, arms, _ = both
-    control, compressed = _history(arms["control"], tracking.M_LOSS), _history(arms["compressed"], tracking.M_LOSS)
+    control, compressed = _history(arms["control"], schema.M_LOSS), _history(arms["compressed"], schema.M_LOSS)
     # Same seed weights, same global batch, fp32: only the summation order of
     # microbatches and workers differs.
     assert compressed[0] == pytest.approx(control[0], rel=1e-6)
     dense = config.load("tiny").powersgd.dense_updates
     for k in range(dense):
         assert compressed[k] == pytest.approx(control[k], rel=1e-5), f"update {k + 1}"
-    grad_control, grad_compressed = _history(arms["control"], tracking.M_GRAD_NORM), _history(arms["compressed"], tracking.M_GRAD_NORM)
+    grad_control, grad_compressed = _history(arms["control"], schema.M_GRAD_NORM), _history(arms["compressed"], schema.M_GRAD_NORM)
     assert grad_compressed[0] == pytest.approx(grad_control[0], rel=1e-5)
 
 
@@ -118,19 +119,19 @@ def test_run_level_timing_memory_bytes_and_cost(both):
     _, arms, _ = both
     for arm, run in arms.items():
         m = run.data.metrics
-        assert 0 < m[tracking.M_ACTIVE_SECONDS] < m[tracking.M_COMPLETE_SECONDS]
-        assert 0 < m[tracking.M_CHECKPOINT_SECONDS] < m[tracking.M_COMPLETE_SECONDS]
-        assert m[tracking.M_ACTIVE_SECONDS] >= sum(_history(run, tracking.M_UPDATE_SECONDS)) * 0.999
+        assert 0 < m[schema.M_ACTIVE_SECONDS] < m[schema.M_COMPLETE_SECONDS]
+        assert 0 < m[schema.M_CHECKPOINT_SECONDS] < m[schema.M_COMPLETE_SECONDS]
+        assert m[schema.M_ACTIVE_SECONDS] >= sum(_history(run, schema.M_UPDATE_SECONDS)) * 0.999
         workers = 2 if arm == "compressed" else 1
-        assert m[tracking.M_DEVICE_SECONDS] == pytest.approx(workers * m[tracking.M_COMPLETE_SECONDS])
-        assert m[tracking.M_COST_USD] == 0.0  # tiny: hourly_price_usd 0
-        assert m[tracking.M_PEAK_RSS_MB] > 100
+        assert m[schema.M_DEVICE_SECONDS] == pytest.approx(workers * m[schema.M_COMPLETE_SECONDS])
+        assert m[schema.M_COST_USD] == 0.0  # tiny: hourly_price_usd 0
+        assert m[schema.M_PEAK_RSS_MB] > 100
     control, compressed = arms["control"].data.metrics, arms["compressed"].data.metrics
-    assert control[tracking.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], tracking.M_BYTES)) == {0.0}
-    assert compressed[tracking.M_BYTES_DENSE] > 0 and compressed[tracking.M_BYTES_COMPRESSED] > 0
-    assert compressed[tracking.M_BYTES_TOTAL] > compressed[tracking.M_BYTES_DENSE] + compressed[tracking.M_BYTES_COMPRESSED]
+    assert control[schema.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], schema.M_BYTES)) == {0.0}
+    assert compressed[schema.M_BYTES_DENSE] > 0 and compressed[schema.M_BYTES_COMPRESSED] > 0
+    assert compressed[schema.M_BYTES_TOTAL] > compressed[schema.M_BYTES_DENSE] + compressed[schema.M_BYTES_COMPRESSED]
     # Compressed updates send less than dense ones.
-    sent = _history(arms["compressed"], tracking.M_BYTES)
+    sent = _history(arms["compressed"], schema.M_BYTES)
     assert max(sent[2:]) < min(sent[:2])
 
 
@@ -141,15 +142,15 @@ def test_final_checkpoint_is_verified_kept_and_loadable(both, tmp_path):
     for run in arms.values():
         tags = run.data.tags
         folder = workspace.home() / "checkpoints" / run.info.run_id
-        assert tags[tracking.TAG_CHECKPOINT_PATH] == str(folder)
-        assert tags[tracking.TAG_CHECKPOINT_SHA] == workspace.sha256_file(folder / "model.safetensors")
-        logged = tracking.download_artifact(run.info.run_id, tracking.ART_CHECKPOINT, tmp_path / run.info.run_id)
-        assert workspace.sha256_file(logged / "model.safetensors") == tags[tracking.TAG_CHECKPOINT_SHA]
+        assert tags[schema.TAG_CHECKPOINT_PATH] == str(folder)
+        assert tags[schema.TAG_CHECKPOINT_SHA] == workspace.sha256_file(folder / "model.safetensors")
+        logged = store.download_artifact(run.info.run_id, schema.ART_CHECKPOINT, tmp_path / run.info.run_id)
+        assert workspace.sha256_file(logged / "model.safetensors") == tags[schema.TAG_CHECKPOINT_SHA]
         AutoModelForCausalLM.from_pretrained(folder)
     # Trained weights, not the seed: the two arms end apart (PowerSGD is lossy).
-    assert arms["control"].data.tags[tracking.TAG_CHECKPOINT_SHA] != arms["compressed"].data.tags[tracking.TAG_CHECKPOINT_SHA]
-    seed_sha = arms["control"].data.tags[tracking.TAG_SEED_SHA]
-    assert seed_sha not in {run.data.tags[tracking.TAG_CHECKPOINT_SHA] for run in arms.values()}
+    assert arms["control"].data.tags[schema.TAG_CHECKPOINT_SHA] != arms["compressed"].data.tags[schema.TAG_CHECKPOINT_SHA]
+    seed_sha = arms["control"].data.tags[schema.TAG_SEED_SHA]
+    assert seed_sha not in {run.data.tags[schema.TAG_CHECKPOINT_SHA] for run in arms.values()}
 
 
 def _rank_processes(parent: psutil.Process) -> dict[int, psutil.Process]:
@@ -157,12 +158,12 @@ def _rank_processes(parent: psutil.Process) -> dict[int, psutil.Process]:
     for proc in parent.children(recursive=True):
         try:
             cmd = proc.cmdline()
-        except psutil.Error:
+            # A rank is `python -u -m coopstudy worker ...`; the launcher's own
+            # command line names the module too, after --module.
+            if "-m" in cmd and cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3] == ["coopstudy", "worker"]:
+                ranks[int(proc.environ()["LOCAL_RANK"])] = proc
+        except (psutil.Error, KeyError):
             continue
-        if "coopstudy.train" in cmd:
-            local = next((a.split("=", 1)[1] for a in cmd if a.startswith("--local_rank=")), None)
-            if local is not None:
-                ranks[int(local)] = proc
     return ranks
 
 
@@ -179,7 +180,7 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run()
         run = None
         while time.monotonic() < deadline and stage.poll() is None:
             found = _runs("attributes.run_name = 'train-compressed-tiny' and attributes.status = 'RUNNING'")
-            if found and _client().get_metric_history(found[0].info.run_id, tracking.M_LOSS):
+            if found and _client().get_metric_history(found[0].info.run_id, schema.M_LOSS):
                 run = found[0]
                 break
             time.sleep(0.2)
@@ -209,13 +210,13 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run()
     assert last_line.startswith("coopstudy train: error: compressed arm failed"), stderr[-3000:]
     failed = _client().get_run(run.info.run_id)
     assert failed.info.status == "FAILED"
-    error = failed.data.tags[tracking.TAG_ERROR]
+    error = failed.data.tags[schema.TAG_ERROR]
     assert "compressed arm failed (a rank was killed by SIGKILL)" in error, error
     assert "rank 1 recorded no error" in error, error
-    assert f"{tracking.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
-    assert failed.data.metrics[tracking.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
-    assert len(_history(failed, tracking.M_LOSS)) < KILL_UPDATES
-    assert tracking.TAG_CHECKPOINT_SHA not in failed.data.tags
+    assert f"{schema.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
+    assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
+    assert len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
+    assert schema.TAG_CHECKPOINT_SHA not in failed.data.tags
     # Nothing keeps the devices once the job is gone.
     with lock.device_lock(launch.local_devices(2), "after"):
         pass
@@ -224,14 +225,14 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run()
 def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
     """What probes use: the same worker, a few updates, no final weights."""
     cfg = config.load("tiny")
-    run_id = _client().create_run(tracking.experiment_id("coopstudy")).info.run_id
+    run_id = _client().create_run(store.experiment_id("coopstudy")).info.run_id
     cmd = launch.command(cfg, "control", run_id, updates=2, checkpoint=False)
     done = launch.run(cmd, launch.worker_environment(cfg, run_id), workers=1)
     assert done.returncode == 0 and done.complete_seconds > 0
     run = _client().get_run(run_id)
-    assert _history(run, tracking.M_LOSS) and len(_history(run, tracking.M_LOSS)) == 2
-    assert tracking.TAG_CHECKPOINT_SHA not in run.data.tags
-    assert tracking.M_CHECKPOINT_SECONDS not in run.data.metrics
+    assert _history(run, schema.M_LOSS) and len(_history(run, schema.M_LOSS)) == 2
+    assert schema.TAG_CHECKPOINT_SHA not in run.data.tags
+    assert schema.M_CHECKPOINT_SECONDS not in run.data.metrics
     assert not (workspace.home() / "checkpoints" / run_id).exists()
-    summary = tracking.download_artifact(run_id, tracking.ART_TRAIN_SUMMARY, tmp_path)
+    summary = store.download_artifact(run_id, schema.ART_TRAIN_SUMMARY, tmp_path)
     assert '"updates": 2' in summary.read_text()

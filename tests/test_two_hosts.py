@@ -23,11 +23,12 @@ from pathlib import Path
 
 import mlflow
 import pytest
-
-from coopstudy import config, launch, tracking
-
 from conftest import ROOT, run_cli
 from test_probe import probed_tiny_store  # noqa: F401 - fixture
+
+from coopstudy import config
+from coopstudy.record import schema
+from coopstudy.run import launch
 
 pytestmark = pytest.mark.slow
 
@@ -132,12 +133,12 @@ def planned(probed_tiny_store, tmp_path_factory) -> Planned:  # noqa: F811 - the
         assert done.returncode == 0, (step, done.stderr[-3000:])
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("coopstudy")
-    (run,) = client.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_STAGE}` = 'train' and attributes.status = 'FINISHED'")
+    (run,) = client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = 'train' and attributes.status = 'FINISHED'")
     return Planned(home, db, run.info.run_id)
 
 
 def _losses(client: mlflow.MlflowClient, run_id: str) -> list[float]:
-    return [m.value for m in sorted(client.get_metric_history(run_id, tracking.M_LOSS), key=lambda m: m.step)]
+    return [m.value for m in sorted(client.get_metric_history(run_id, schema.M_LOSS), key=lambda m: m.step)]
 
 
 def test_compressed_arm_across_two_hosts_matches_one_host(two_hosts, planned, tmp_path):
@@ -173,4 +174,4 @@ def test_compressed_arm_across_two_hosts_matches_one_host(two_hosts, planned, tm
     assert len(two) == len(one) == cfg.train.updates, (one, two)
     for k, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-6 * abs(a), (k, a, b)
-    assert tracking.TAG_CHECKPOINT_SHA in client.get_run(run_id).data.tags
+    assert schema.TAG_CHECKPOINT_SHA in client.get_run(run_id).data.tags

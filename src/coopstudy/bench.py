@@ -1,6 +1,9 @@
 """Benchmarks that print a table and log it to MLflow (not timed tests).
 
-    python -m coopstudy.bench objective --preset tiny|smollm2-135m-cpu [--updates 2]
+    python -m coopstudy bench objective --preset tiny|smollm2-135m-cpu [--updates 2]
+    python -m coopstudy bench generate --preset smollm2-135m-cpu [--items 32]
+
+(`python -m coopstudy.bench ...` is the same command.)
 
 `objective`: the batched training update (the control arm's microbatches,
 length-sorted and padded, one process) against the per-document reference
@@ -16,6 +19,15 @@ tokens are answer tokens of weight 8, and replay documents of 150 tokens up to
 data.max_context that alternate prompt (0) and assistant (1) segments, three
 tasks to one replay document as in the protocol, in the preset's schedule
 shape (train.updates global batches of train.global_batch).
+
+`generate`: batched against one-at-a-time greedy generation on the seed model.
+Draws test-like cases (the families and test seed of the preset, the prompt
+form of the final test; nothing from the prepared files is needed), generates
+their answers once prompt by prompt and once in batches of
+evaluate.batch_size, prints cases/s for both and the speed-up, and checks that
+both give the same tokens for every case (exit 1 if not). Also prints the
+seed's strict accuracy per family on these cases. Evaluation is not a timed
+arm: torch keeps its default thread count, which is printed.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import copy
 import random
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,10 +45,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coopstudy import batching, config as config_mod, objective, tracking, update
+from coopstudy import scoring
+from coopstudy.commit import require
 from coopstudy.config import Config
-from coopstudy.distributed import DistContext
 from coopstudy.errors import UserError
+from coopstudy.inputs import chat, tasks
+from coopstudy.inputs.seed import resolve_seed
+from coopstudy.numerics import batching, objective, update
+from coopstudy.numerics.distributed import DistContext
+from coopstudy.record import schema, writer
 
 
 @dataclass(frozen=True)
@@ -70,10 +88,9 @@ def synthetic_documents(cfg: Config, vocab_size: int, seed: int = 0) -> tuple[li
 
 def _documents(cfg: Config, source: str, vocab_size: int) -> tuple[Sequence, list[list[int]], str]:
     if source in ("auto", "prepared"):
-        from coopstudy import data
 
         try:
-            prepared = data.load_prepared(cfg)
+            prepared = require.inputs(cfg)
             return prepared.train, prepared.schedule, f"prepared inputs {prepared.digest[:12]}"
         except UserError:
             if source == "prepared":
@@ -89,7 +106,6 @@ def _load_seed(cfg: Config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from coopstudy.seed import resolve_seed
 
     hf_logging.disable_progress_bar()
     seed = resolve_seed(cfg)
@@ -143,12 +159,12 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     batched_ms = 1000 * statistics.mean(batched_s)
     reference_ms = 1000 * statistics.mean(reference_s)
     result = {
-        tracking.M_BENCH_BATCHED_MS: batched_ms,
-        tracking.M_BENCH_REFERENCE_MS: reference_ms,
-        tracking.M_BENCH_SPEEDUP: reference_ms / batched_ms,
-        tracking.M_BENCH_LOSS_REL_GAP: max(loss_gaps),
+        schema.M_BENCH_BATCHED_MS: batched_ms,
+        schema.M_BENCH_REFERENCE_MS: reference_ms,
+        schema.M_BENCH_SPEEDUP: reference_ms / batched_ms,
+        schema.M_BENCH_LOSS_REL_GAP: max(loss_gaps),
         **{
-            f"{tracking.M_BENCH_PADDING_PREFIX}{'sorted' if sort else 'unsorted'}/{arm}": ratio
+            f"{schema.M_BENCH_PADDING_PREFIX}{'sorted' if sort else 'unsorted'}/{arm}": ratio
             for (arm, sort), ratio in padding.items()
         },
     }
@@ -171,32 +187,93 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
         )
     console.print(table)
     rows = [{"quantity": r[0], "value": r[1]} for r in zip(table.columns[0].cells, table.columns[1].cells)]
-    with tracking.stage_run(tracking.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={tracking.TAG_BENCH_DOCUMENTS: note}) as rec:
+    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec:
         rec.log_metrics(result)
-        rec.log_table(rows, tracking.ART_BENCH_TABLE)
+        rec.log_table(rows, schema.ART_BENCH_TABLE)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="coopstudy.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "benchmarks: the batched update against the per-document reference; batched generation"
+DESCRIPTION = __doc__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coopstudy.cli import add_config_arguments
+
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = sub.add_parser("objective", help="batched update against the per-document reference")
-    p.add_argument("--preset", default="smollm2-135m-cpu")
-    p.add_argument("--set", dest="overrides", action="extend", nargs="*", default=[], metavar="KEY=VALUE")
+    add_config_arguments(p)
     p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
     p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
                    help="prepared inputs, synthetic documents, or prepared when they exist (default)")  # fmt: skip
-    args = parser.parse_args(argv)
-    try:
-        if args.updates < 1:
-            raise UserError("--updates: at least 1")
-        cfg = config_mod.load(args.preset, args.overrides)
-        bench_objective(cfg, updates=args.updates, source=args.documents, console=Console(width=max(Console().width, 110)))
-    except UserError as err:
-        print(f"coopstudy.bench {args.bench}: error: {err}", file=sys.stderr)
-        return 2
+    g = sub.add_parser("generate", help="batched against one-at-a-time greedy generation on the seed model")
+    add_config_arguments(g)
+    g.add_argument("--items", type=int, default=32, help="test cases to generate (default 32)")
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    if args.bench == "generate":
+        return bench_generate(cfg, args.items)
+    if args.updates < 1:
+        raise UserError("--updates: at least 1")
+    bench_objective(cfg, updates=args.updates, source=args.documents, console=Console(width=max(Console().width, 110)))
     return 0
 
 
+def generation_cases(cfg: Config, items: int) -> list[dict]:
+    """`items` cases spread evenly over the families, as the final test asks them."""
+    families = cfg.data.families
+    per_family = -(-items // len(families))
+    out = []
+    for pos, fam in enumerate(families):
+        ds = tasks.dataset(fam, tasks.family_seed(cfg.data.test_seed, pos), per_family)
+        out += [
+            {"case_id": f"{fam}/{i}", "family": fam, "messages": tasks.task_messages(ds[i]["question"]), "entry": ds[i]}
+            for i in range(per_family)
+        ]
+    return out[:items]
+
+
+def bench_generate(cfg: Config, items: int) -> int:
+    seed = resolve_seed(cfg)
+    tokenizer = scoring.load_tokenizer(seed.path, "seed")
+    model = scoring.load_model(seed.path, "seed", tokenizer)
+    test = generation_cases(cfg, items)
+    prompts = [chat.prompt_ids(tokenizer, c["messages"]) for c in test]
+    common = {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop": scoring.stop_ids(tokenizer), "pad_id": scoring.padding_id(tokenizer)}
+    print(
+        f"seed {seed.path} ({seed.parameters:,} parameters), {len(test)} cases, max_new_tokens "
+        f"{cfg.evaluate.max_new_tokens}, torch threads {torch.get_num_threads()}, device {next(model.parameters()).device}",
+        flush=True,
+    )
+
+    timings = {}
+    outputs = {}
+    for label, batch in (("one at a time", 1), ("batched", cfg.evaluate.batch_size)):
+        start = time.perf_counter()
+        with scoring.progress_bar(label, len(test)) as advance:
+            outputs[label] = scoring.generate(model, prompts, batch_size=batch, progress=advance, **common)
+        timings[label] = (batch, time.perf_counter() - start)
+
+    print(f"\n{'mode':<14} {'batch':>5} {'seconds':>8} {'cases/s':>8} {'new tokens':>10}")
+    for label, (batch, seconds) in timings.items():
+        new_tokens = sum(len(g.tokens) + g.finished for g in outputs[label])
+        print(f"{label:<14} {batch:>5} {seconds:>8.2f} {len(test) / seconds:>8.2f} {new_tokens:>10}")
+    speedup = timings["one at a time"][1] / timings["batched"][1]
+    differing = [c["case_id"] for c, a, b in zip(test, outputs["one at a time"], outputs["batched"]) if a != b]
+    print(f"speed-up {speedup:.1f}x (target at least 4x: {'met' if speedup >= 4 else 'NOT met'})")
+    print(f"identical outputs: {len(test) - len(differing)}/{len(test)}" + (f" (differ: {', '.join(differing)})" if differing else ""))
+
+    rows = [scoring.score_case(c, tokenizer.decode(g.tokens, skip_special_tokens=True)) for c, g in zip(test, outputs["batched"])]
+    print("\nseed strict accuracy (score 1.0) per family:")
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == fam]
+        print(f"  {fam:<16} {sum(r['correct'] for r in mine)}/{len(mine)}")
+    return 1 if differing else 0
+
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from coopstudy import cli
+
+    sys.exit(cli.main(["bench", *sys.argv[1:]]))

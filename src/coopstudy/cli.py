@@ -1,8 +1,15 @@
-"""`python -m coopstudy <step>`: one parser, one module per step.
+"""`python -m coopstudy <command>`: the one parser of the project.
 
-Each step module in `coopstudy.stages` defines `HELP` (its one-line summary),
-`DESCRIPTION` (what it reads and writes), optionally `add_arguments(parser)`,
-and `run(cfg, args) -> int | None`.
+The study's steps come first, in protocol order, then `study`, which runs
+them all (`coopstudy.study`). Each step module in `coopstudy.steps` defines `HELP` (its one-line summary), `DESCRIPTION` (what
+it reads and writes), optionally `add_arguments(parser)`, and
+`run(cfg, args) -> int | None`; the parser gives every step `--preset`,
+`--set` and `--dry-run` and hands it the loaded config.
+
+Then the tools: `bench` (benchmarks, which load a preset like a step),
+`remote` (the tracking server: check it, deliver what waited) and `worker`
+(one training process, started by `train` and `probe`, never by hand). A tool
+module defines `HELP`, `add_arguments(parser)` and `main(args) -> int`.
 """
 
 from __future__ import annotations
@@ -11,27 +18,46 @@ import argparse
 import importlib
 import os
 import sys
+from types import ModuleType
 
 from coopstudy import config as config_mod
 from coopstudy.errors import UserError
 
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
+TOOLS = {"bench": "coopstudy.bench", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 DEFAULT_PRESET = "smollm2-135m-cpu"
 
 
-def _step_module(name: str):
-    try:
-        return importlib.import_module(f"coopstudy.stages.{name}")
-    except ModuleNotFoundError as err:
-        if err.name == f"coopstudy.stages.{name}":
-            return None
-        raise
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--preset, --set and --dry-run: how every command that runs on a preset is configured."""
+    parser.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        help=f"configs/<preset>.yaml or a path to a YAML file (default: {DEFAULT_PRESET}; "
+        f"available: {', '.join(config_mod.preset_names())})",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.lr=1e-4 data.tasks_per_family=32",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+
+def _module(name: str) -> ModuleType:
+    # `study` composes the steps, so it sits above them, not among them.
+    default = "coopstudy.study" if name == "study" else f"coopstudy.steps.{name}"
+    return importlib.import_module(TOOLS.get(name, default))
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole CLI, or with `only`, just that step's sub-parser: a step then
-    imports no other step's module (some import torch at the top)."""
+    """The whole CLI, or with `only`, just that command's sub-parser: a command
+    then imports no other command's module (some import torch at the top)."""
     parser = argparse.ArgumentParser(
         prog="coopstudy",
         description=(
@@ -40,33 +66,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "each refuses when a commitment it depends on is missing or changed."
         ),
     )
-    sub = parser.add_subparsers(dest="step", metavar="STEP", required=True)
-    for name in STEPS if only is None else (only,):
-        module = _step_module(name)
-        if module is None:
-            continue
+    sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
+    for name in (*STEPS, *TOOLS) if only is None else (only,):
+        module = _module(name)
         p = sub.add_parser(
             name,
             help=module.HELP,
             description=getattr(module, "DESCRIPTION", module.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument(
-            "--preset",
-            default=DEFAULT_PRESET,
-            help=f"configs/<preset>.yaml or a path to a YAML file (default: {DEFAULT_PRESET}; "
-            f"available: {', '.join(config_mod.preset_names())})",
-        )
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="extend",
-            nargs="*",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config value, e.g. --set train.lr=1e-4 data.tasks_per_family=32",
-        )
-        p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        if name in STEPS:
+            add_config_arguments(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
         p.set_defaults(_module=module)
@@ -76,16 +86,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(named if named in STEPS else None)
+    parser = build_parser(named if named in STEPS or named in TOOLS else None)
     args = parser.parse_args(argv)
     try:
+        if not hasattr(args, "preset"):
+            return int(args._module.main(args) or 0)
         # MLproject passes all overrides as one word, or an empty one.
         overrides = [o for item in args.overrides for o in item.split()]
         cfg = config_mod.load(args.preset, overrides)
         if args.dry_run:
             print(config_mod.to_yaml(cfg), end="")
             return 0
-        return int(args._module.run(cfg, args) or 0)
+        code = int(args._module.run(cfg, args) or 0)
+        # A step may name the step that follows it on success (`probe --plan`):
+        # steps never call each other, the parser runs them in turn.
+        if code == 0 and getattr(args, "then", None):
+            code = int(_module(args.then).run(cfg, args) or 0)
+        return code
     except UserError as err:
         print(f"coopstudy {args.step}: error: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,11 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 from coopstudy.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+ARMS = ("control", "compressed")
+"""The study's two arms, in the order they train and report."""
+Arm = Literal["control", "compressed"]
+TRAINING_ALLOCATOR = "expandable"
+"""The allocator setting of both arms' full runs (the protocol's); probes try others."""
 
 PositiveInt = Field(gt=0)
 NonNegInt = Field(ge=0)
@@ -135,7 +140,7 @@ class EvaluateConfig(_Section):
 
 
 class ProbeCandidate(_Section):
-    arm: Literal["control", "compressed"]
+    arm: Arm
     microbatch: int = PositiveInt
     allocator: Literal["default", "expandable"] = "default"
     device_capacity_mb: int | None = Field(None, gt=0)
@@ -185,8 +190,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_arms(self) -> "Config":
-        for name in ("control", "compressed"):
-            arm: ArmConfig = getattr(self.arms, name)
+        for name in ARMS:
+            arm = self.arm(name)
             if self.train.global_batch % arm.workers:
                 raise ValueError(
                     f"train.global_batch: {self.train.global_batch} does not split evenly over "
@@ -204,9 +209,9 @@ class Config(_Section):
             raise ValueError("data.retention_docs: there must be conversation documents")
         return self
 
-    def local_batch(self, arm: str) -> int:
-        """Documents one worker of `arm` holds for one update."""
-        return self.train.global_batch // getattr(self.arms, arm).workers
+    def arm(self, name: str) -> ArmConfig:
+        """The shape of arm `name` (one of ARMS)."""
+        return getattr(self.arms, name)
 
     @property
     def train_documents(self) -> int:

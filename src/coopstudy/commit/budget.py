@@ -1,0 +1,88 @@
+"""The budget: each arm's projected seconds and cost from its probe receipt,
+what the plan has spent so far, and the guard `train` runs before an arm."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from coopstudy.config import Config
+from coopstudy.errors import RefusedError
+from coopstudy.record import schema, store
+
+
+def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
+    """One arm's projected complete seconds and cost, from its probe receipt."""
+    seconds = receipt["update_seconds"]
+    # What a probe spends outside its updates (start-up, model loading) a full
+    # run spends too; the checkpoint it does not write is not in it.
+    overhead = max(0.0, receipt["complete_seconds"] - sum(seconds))
+    total = overhead + receipt["median_update_seconds"] * cfg.train.updates
+    workers = receipt["setting"]["workers"]
+    return {
+        "median_update_seconds": receipt["median_update_seconds"],
+        "overhead_seconds": overhead,
+        "updates": cfg.train.updates,
+        "seconds": total,
+        "devices": workers,
+        "cost_usd": workers * total / 3600 * cfg.budget.hourly_price_usd,
+    }
+
+
+def spent_usd(cfg: Config, sha: str, doc: dict[str, Any]) -> tuple[float, int]:
+    """(what the plan has spent so far, how many train runs spent it): its
+    probes' cost plus the cost every earlier train run of this plan logged,
+    failed attempts included (they used their devices too)."""
+    runs = store.search_runs(
+        cfg.experiment, f"tags.`{schema.TAG_PLAN}` = '{sha}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}'"
+    )
+    spent = [r.data.metrics[schema.M_COST_USD] for r in runs if schema.M_COST_USD in r.data.metrics]
+    return doc["budget"]["probes_cost_usd"] + sum(spent), len(spent)
+
+
+@dataclass(frozen=True)
+class Projected:
+    """What the guard compares before starting `arms`, one after the other."""
+
+    arms: tuple[str, ...]
+    seconds: float
+    cost_usd: float
+    spent_usd: float
+    """Spent by the plan so far: its probes and its earlier train runs."""
+    probes_cost_usd: float
+    train_runs: int
+    """Earlier train runs of the plan that logged a cost."""
+
+
+def projected(cfg: Config, sha: str, doc: dict[str, Any], arms: Sequence[str]) -> Projected:
+    spent, runs = spent_usd(cfg, sha, doc)
+    return Projected(
+        arms=tuple(arms),
+        seconds=sum(doc["arms"][a]["projection"]["seconds"] for a in arms),
+        cost_usd=sum(doc["arms"][a]["projection"]["cost_usd"] for a in arms),
+        spent_usd=spent,
+        probes_cost_usd=doc["budget"]["probes_cost_usd"],
+        train_runs=runs,
+    )
+
+
+def check_budget(cfg: Config, sha: str, p: Projected, now: datetime | None = None) -> None:
+    """Refuse when the projection would pass the allocation or the deadline."""
+    what = " then ".join(p.arms)
+    allocation = cfg.budget.allocation_usd
+    if p.spent_usd + p.cost_usd > allocation:
+        raise RefusedError(
+            f"budget: training {what} would pass the allocation: spent ${p.spent_usd:.2f} (probes "
+            f"${p.probes_cost_usd:.2f}, {p.train_runs} earlier train run(s) of plan {sha[:12]}) + projected "
+            f"${p.cost_usd:.2f} = ${p.spent_usd + p.cost_usd:.2f} > budget.allocation_usd ${allocation:.2f}"
+        )
+    when = cfg.budget.deadline
+    end = (now or datetime.now(timezone.utc)).timestamp() + p.seconds
+    if when is not None and end > when.timestamp():
+        ends = datetime.fromtimestamp(end, timezone.utc).isoformat(timespec="seconds")
+        raise RefusedError(
+            f"deadline: training {what} is projected to take {p.seconds:.0f} s and end at {ends}, "
+            f"after budget.deadline {when.isoformat()}"
+        )

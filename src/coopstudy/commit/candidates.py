@@ -1,0 +1,121 @@
+"""The two predetermined final candidates: each arm's final checkpoint of the
+planned run, committed once, by the sha256 of its weights.
+
+`select_final` finds the newest FINISHED train run of each arm under the
+plan, re-hashes its checkpoint against the hash that run recorded, and
+appends both to the ledger (kind candidate, subject `<plan sha>/<arm>`).
+`verified_selection` gives the committed candidates back after re-hashing
+the weights on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coopstudy import workspace
+from coopstudy.commit import ledger as ledger_mod
+from coopstudy.config import ARMS, Config
+from coopstudy.errors import RefusedError
+from coopstudy.record import schema, store
+
+
+@dataclass(frozen=True)
+class Candidate:
+    arm: str
+    sha256: str
+    path: Path
+    """The checkpoint directory (Hugging Face format)."""
+    train_run_id: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    candidates: dict[str, Candidate]
+    select_run_id: str
+
+
+def subject(plan_sha: str, arm: str) -> str:
+    return f"{plan_sha}/{arm}"
+
+
+def when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def weights_sha256(path: Path, what: str) -> str:
+    weights = path / workspace.WEIGHTS_FILE
+    if not weights.is_file():
+        raise RefusedError(f"{what}: the checkpoint weights {weights} are missing")
+    return workspace.sha256_file(weights)
+
+
+def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
+    """Each arm's newest FINISHED train run under the plan, as a candidate;
+    refuses, naming every arm, when one has not finished."""
+    found: dict[str, Candidate] = {}
+    problems = []
+    for arm in ARMS:
+        runs = store.search_runs(
+            cfg.experiment,
+            f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}' "
+            f"and tags.`{schema.TAG_PLAN}` = '{plan_sha}'",
+        )
+        finished = [r for r in runs if r.info.status == "FINISHED"]
+        if not finished:
+            problems.append(
+                f"arm {arm} has not finished (its newest train run {runs[0].info.run_id} is {runs[0].info.status})"
+                if runs
+                else f"arm {arm} has no train run"
+            )
+            continue
+        run = finished[0]
+        sha, path = run.data.tags.get(schema.TAG_CHECKPOINT_SHA), run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
+        if not sha or not path:
+            problems.append(f"arm {arm}: train run {run.info.run_id} records no final checkpoint")
+            continue
+        found[arm] = Candidate(arm, sha, Path(path), run.info.run_id)
+    if problems:
+        todo = [arm for arm in ARMS if arm not in found]
+        raise RefusedError(
+            f"{'; '.join(problems)} (plan {plan_sha[:12]}); train first: "
+            f"`python -m coopstudy train --preset {cfg.preset} --arm {todo[0] if len(todo) == 1 else 'both'}`"
+        )
+    return found
+
+
+def committed(plan_sha: str, ledger: ledger_mod.Ledger) -> list[ledger_mod.Entry]:
+    """Candidate entries of this plan, oldest first."""
+    prefix = subject(plan_sha, "")
+    return [e for e in ledger.entries() if e.kind == ledger_mod.CANDIDATE and e.subject.startswith(prefix)]
+
+
+def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
+    """Commit each arm's final checkpoint, once per plan."""
+    earlier = committed(plan_sha, ledger)
+    if earlier:
+        first = earlier[0]
+        raise RefusedError(
+            f"the final candidates of plan {plan_sha[:12]} were already selected at {when(first.time)} "
+            f"by select run {first.details.get('select_run_id')}; a selection is made once"
+        )
+    found = final_train_runs(cfg, plan_sha)
+    for arm, cand in found.items():
+        actual = weights_sha256(cand.path, f"arm {arm}")
+        if actual != cand.sha256:
+            raise RefusedError(
+                f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
+                f"recorded {cand.sha256[:12]}; the checkpoint changed after training"
+            )
+    for arm in ARMS:
+        cand = found[arm]
+        ledger.append(
+            ledger_mod.CANDIDATE,
+            subject(plan_sha, arm),
+            cand.sha256,
+            {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
+        )
+    return found
+
+

@@ -1,0 +1,155 @@
+"""What a step needs, checked: each function re-hashes one commitment against
+the ledger and returns it, or refuses in one line that says what changed and
+what to run. Every step and the training processes check through here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coopstudy import workspace
+from coopstudy.commit import candidates, ledger, receipts, sources
+from coopstudy.commit import plan as planning
+from coopstudy.config import ARMS, Config
+from coopstudy.errors import RefusedError
+from coopstudy.inputs import data
+from coopstudy.inputs.seed import Seed, resolve_seed
+from coopstudy.record import schema
+
+GATE_HINT = "run `python -m coopstudy verify`"
+
+
+def inputs(cfg: Config, book: ledger.Ledger | None = None) -> data.Prepared:
+    """The committed inputs of `cfg`, re-hashed; refused when missing or changed."""
+    entry = (book or ledger.Ledger()).require(
+        ledger.INPUTS,
+        data.inputs_key(cfg),
+        hint=f"run `python -m coopstudy prepare --preset {cfg.preset}` with the same settings first",
+    )
+    return data.load_folder(workspace.home() / entry.details["folder"], entry.digest)
+
+
+def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
+    """The committed inputs of `cfg` and the seed model they were made from,
+    both re-hashed, or a refusal that says what to run."""
+    prepared = inputs(cfg)
+    seed = resolve_seed(cfg)
+    made_from = prepared.manifest["seed_model"]["sha256"]
+    if seed.sha256 != made_from:
+        raise RefusedError(
+            f"seed weights {seed.path} hash to {seed.sha256[:12]}, the prepared inputs were made from {made_from[:12]}; "
+            f"run `python -m coopstudy prepare --preset {cfg.preset}` again"
+        )
+    return prepared, seed
+
+
+def gate_receipt(book: ledger.Ledger | None = None, *, directory: Path | None = None) -> ledger.Entry:
+    """The ledger entry of a passed gate on the current numerical sources and
+    libraries, or a refusal that names what changed."""
+    book = book or ledger.Ledger()
+    sha, files = sources.numerical_sources_sha256(directory)
+    libs = sources.library_versions()
+    passed = [e for e in book.entries() if e.kind == ledger.GATE and e.subject == sources.GATE_SUBJECT]
+    for entry in reversed(passed):
+        if entry.details.get("sources_sha256") == sha and entry.details.get("libraries") == libs:
+            return entry
+    if not passed:
+        raise RefusedError(f"no gate receipt for the numerical sources in {book.path}; {GATE_HINT}")
+    latest = passed[-1].details
+    changed = [name for name in files if latest.get("sources", {}).get(name) != files[name]]
+    changed += [name for name in latest.get("sources", {}) if name not in files]
+    if changed:
+        raise RefusedError(f"numerical sources changed since the gate receipt: {', '.join(changed)}; {GATE_HINT}")
+    moved = [f"{k} {latest.get('libraries', {}).get(k)} -> {v}" for k, v in libs.items() if latest.get("libraries", {}).get(k) != v]
+    raise RefusedError(f"library versions changed since the gate receipt: {', '.join(moved)}; {GATE_HINT}")
+
+
+def probe_receipts_complete(cfg: Config) -> None:
+    """Every candidate of probe.candidates has a committed receipt, or a refusal."""
+    kept = receipts.probe_receipts(cfg)
+    names = [receipts.setting_name(c.arm, c.microbatch, c.allocator) for c in cfg.probe.candidates]
+    missing = [name for name in names if f"{name}.json" not in kept]
+    if missing:
+        raise RefusedError(f"no probe receipt for {', '.join(missing)}; run `python -m coopstudy probe --preset {cfg.preset}`")
+
+
+def committed_plan(cfg: Config) -> str:
+    """The committed plan's sha256, after checking that nothing it hashes has
+    changed; a refusal names what did. Later stages tag their runs with it
+    (schema.TAG_PLAN)."""
+    entry = ledger.Ledger().require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg))
+    short = entry.digest[:12]
+    stored = workspace.home() / entry.details["file"]
+    if not stored.is_file():
+        raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan`")
+    old = json.loads(stored.read_text())
+    if planning.digest(old) != entry.digest:
+        raise RefusedError(f"the plan file {stored} was edited after it was committed")
+    rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study --preset {cfg.preset}`)"
+    # The cheap checks first, each naming the files that changed.
+    _, files = sources.numerical_sources_sha256()
+    if files != old["sources"]["files"]:
+        changed = planning.changed(old["sources"]["files"], files)
+        raise RefusedError(f"changed since the plan {short} was committed: numerical source {', '.join(changed)}; {rerun}")
+    hashes = receipts.receipt_hashes(cfg)
+    if hashes != old["probe_receipts"]:
+        changed = planning.changed(old["probe_receipts"], hashes)
+        raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}; {rerun}")
+    try:
+        new = planning.build(cfg, inputs(cfg), gate_receipt())
+    except RefusedError as err:
+        # Inputs that no longer verify, a gate receipt that no longer matches:
+        # the message names the file.
+        raise RefusedError(f"changed since the plan {short} was committed: {err}") from None
+    if planning.digest(new) != entry.digest:
+        raise RefusedError(f"changed since the plan {short} was committed: {'; '.join(planning.differences(old, new))}; {rerun}")
+    return entry.digest
+
+
+def training_inputs(cfg: Config) -> dict[str, str]:
+    """Tags naming the gate receipt and the inputs any training process (a
+    probe too) depends on, or a refusal that says which is missing."""
+    receipt = gate_receipt()
+    prepared, seed = seeded_inputs(cfg)
+    return {
+        schema.TAG_REQUIRES_PREFIX + ledger.GATE: receipt.digest,
+        schema.TAG_REQUIRES_PREFIX + ledger.INPUTS: prepared.digest,
+        schema.TAG_SEED_SHA: seed.sha256,
+    }
+
+
+def training(cfg: Config) -> tuple[str, dict[str, str]]:
+    """(the plan's sha256, the tags naming every commitment the training
+    depends on), or a refusal naming what is missing or changed."""
+    # In protocol order: a changed source is first a stale gate receipt, a
+    # changed input file first an input that no longer verifies; each names it.
+    tags = training_inputs(cfg)
+    sha = committed_plan(cfg)
+    return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
+
+
+def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:
+    """The committed candidates, after checking that their weights on disk still hash to them."""
+    entries = {}
+    for e in candidates.committed(plan_sha, book):
+        # A selection is made once; should the ledger hold more, the first counts.
+        entries.setdefault(e.details.get("arm"), e)
+    missing = [arm for arm in ARMS if arm not in entries]
+    if missing:
+        raise RefusedError(
+            f"no final candidates selected under plan {plan_sha[:12]} (missing: {', '.join(missing)}); "
+            f"run `python -m coopstudy select --preset {cfg.preset}` first"
+        )
+    chosen = {}
+    for arm in ARMS:
+        e = entries[arm]
+        cand = candidates.Candidate(arm, e.digest, Path(e.details["path"]), e.details["train_run_id"])
+        what = f"the {arm} candidate selected at {candidates.when(e.time)} by select run {e.details['select_run_id']}"
+        actual = candidates.weights_sha256(cand.path, what)
+        if actual != cand.sha256:
+            raise RefusedError(
+                f"{what}: the weights in {cand.path} hash to {actual[:12]}, not the selected {cand.sha256[:12]}; "
+                "they changed after selection, refusing to score them"
+            )
+        chosen[arm] = cand
+    return candidates.Selection(chosen, entries[ARMS[0]].details["select_run_id"])

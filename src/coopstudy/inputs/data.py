@@ -1,0 +1,362 @@
+"""The prepared inputs of a study: what `prepare` writes and every later stage reads.
+
+A folder `<home>/prepared/<content hash>/` holds
+  train.jsonl      one document per line; line order is the schedule's index.
+                   {"doc_id", "kind": "task"|"replay", "family", "input_ids", "weights"}
+                   weights[i] weighs token i as a target predicted from tokens < i:
+                   task answers data.answer_weight, replay assistant turns
+                   data.replay_weight, prompts 0 (weights[0] is always 0).
+  retention.jsonl  the same fields, kind "retention", assistant tokens weigh 1.
+  test.jsonl       {"case_id", "family", "messages" (the prompt), "entry" (for the verifier)}
+  schedule.json    {"updates": [[train index] * global_batch] * updates, ...}
+  manifest.json    sha256 of every file, counts, token statistics, truncation,
+                   dropped test questions, the seed model's sha256.
+The sha256 of manifest.json is the inputs commitment. `prepare` appends it to
+the ledger under `inputs_key(cfg)`; `coopstudy.commit.require.inputs(cfg)` finds it there and
+re-hashes every file before handing the data out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from coopstudy import workspace
+from coopstudy.config import Config
+from coopstudy.errors import RefusedError, UserError
+from coopstudy.inputs import chat, conversations, tasks
+from coopstudy.inputs.seed import Seed
+
+TRAIN, RETENTION, TEST, SCHEDULE = "train.jsonl", "retention.jsonl", "test.jsonl", "schedule.json"
+FILES = (TRAIN, RETENTION, TEST, SCHEDULE)
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+T = TypeVar("T")
+Track = Callable[[Sequence[T], str], Iterable[T]]
+"""(items, description) -> the same items, maybe with a progress display."""
+
+
+def _untracked(items: Sequence[T], description: str) -> Iterable[T]:
+    return items
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    kind: str
+    """task, replay or retention."""
+    family: str | None
+    input_ids: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"doc_id": self.doc_id, "kind": self.kind, "family": self.family, "input_ids": list(self.input_ids), "weights": list(self.weights)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "Document":
+        return cls(raw["doc_id"], raw["kind"], raw["family"], tuple(raw["input_ids"]), tuple(float(w) for w in raw["weights"]))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens before the first target."""
+        return next((i for i, w in enumerate(self.weights) if w), len(self.weights))
+
+    @property
+    def target_tokens(self) -> int:
+        return sum(1 for w in self.weights if w)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    folder: Path
+    digest: str
+    """sha256 of manifest.json: the inputs commitment."""
+    train: list[Document]
+    retention: list[Document]
+    test: list[dict[str, Any]]
+    schedule: list[list[int]]
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Built:
+    """Everything prepare writes, in memory, before it touches the disk."""
+
+    files: dict[str, bytes]
+    manifest: dict[str, Any]
+
+    @property
+    def manifest_bytes(self) -> bytes:
+        return (json.dumps(self.manifest, indent=2, sort_keys=True) + "\n").encode()
+
+    @property
+    def digest(self) -> str:
+        return workspace.sha256_bytes(self.manifest_bytes)
+
+
+def inputs_key(cfg: Config) -> str:
+    """Names the prepared inputs of a config in the ledger: a hash of every
+    setting they depend on (data.*, model.*, the schedule's shape), and of
+    nothing else, so arms and training settings share one set of inputs."""
+    sections = {
+        "data": cfg.data.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json"),
+        "train": {"updates": cfg.train.updates, "global_batch": cfg.train.global_batch},
+    }
+    return workspace.sha256_bytes(json.dumps(sections, sort_keys=True).encode())
+
+
+def permutation(n: int, *key: object) -> list[int]:
+    """A seeded permutation of range(n): order by the hash of (key, index).
+    Unlike a library RNG stream, this cannot change with a library version."""
+    prefix = "/".join(str(k) for k in key)
+    return sorted(range(n), key=lambda i: workspace.sha256_bytes(f"{prefix}/{i}".encode()))
+
+
+def make_schedule(documents: int, updates: int, global_batch: int, seed: int) -> list[list[int]]:
+    """Which training documents form each update's global batch: consecutive
+    passes over the documents, pass p in the order of permutation seed + p.
+    It depends on nothing an arm sets, so both arms see the same batches."""
+    slots = updates * global_batch
+    order: list[int] = []
+    passes = -(-slots // documents)
+    for p in range(passes):
+        order += permutation(documents, "schedule", seed + p)
+    return [order[k * global_batch : (k + 1) * global_batch] for k in range(updates)]
+
+
+def truncate(doc: Document, max_context: int) -> tuple[Document, int]:
+    """The document cut to max_context tokens, and how many tokens were cut."""
+    cut = len(doc.input_ids) - max_context
+    if cut <= 0:
+        return doc, 0
+    return Document(doc.doc_id, doc.kind, doc.family, doc.input_ids[:max_context], doc.weights[:max_context]), cut
+
+
+def _encode(tokenizer: Any, doc_id: str, kind: str, family: str | None, messages: Sequence[dict[str, str]], weight: float) -> Document:
+    ids, weights = chat.encode(tokenizer, messages, weight)
+    return Document(doc_id, kind, family, tuple(ids), tuple(weights))
+
+
+def _mean(values: Sequence[float]) -> float:
+    return round(sum(values) / len(values), 3) if values else 0.0
+
+
+def _kind_stats(docs: Sequence[Document]) -> dict[str, Any]:
+    lengths = [len(d.input_ids) for d in docs]
+    return {
+        "documents": len(docs),
+        "tokens": sum(lengths),
+        "mean_tokens": _mean(lengths),
+        "max_tokens": max(lengths, default=0),
+        "prompt_tokens_mean": _mean([d.prompt_tokens for d in docs]),
+        "target_tokens": sum(d.target_tokens for d in docs),
+        "weight_sum": sum(sum(d.weights) for d in docs),
+    }
+
+
+def _jsonl(rows: Iterable[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in rows).encode()
+
+
+def _check_prompts(cfg: Config, docs: Sequence[Document], test_prompts: dict[str, int]) -> None:
+    longest_doc = max(docs, key=lambda d: d.prompt_tokens)
+    longest = max([(longest_doc.prompt_tokens, longest_doc.doc_id), *((n, cid) for cid, n in test_prompts.items())])
+    # A prompt that fills the context leaves its document without a target;
+    # test prompts are held to the same bound as the training prompts they mirror.
+    if longest[0] >= cfg.data.max_context:
+        raise UserError(
+            f"data.max_context: {cfg.data.max_context} is a context below the longest prompt "
+            f"({longest[0]} tokens, {longest[1]}); raise data.max_context above {longest[0]}"
+        )
+
+
+def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked) -> Built:
+    """Generate, tokenize, weigh, truncate and schedule; nothing is written."""
+    d = cfg.data
+    tasks.check_seed_ranges(d.families, d.generation_seed, d.tasks_per_family, d.test_seed, d.test_per_family)
+    options = cfg.data.family_options
+    train_tasks = tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, options)
+    training_questions = {t.question for t in train_tasks}
+    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions, options)
+
+    pool = conversations.load_pool(d.replay_source, d.replay_docs + d.retention_docs)
+    shuffled = [pool.conversations[i] for i in permutation(len(pool.conversations), "replay", d.replay_seed)]
+    # Retention probes come first, so changing replay_docs leaves them as they are.
+    retention_convs = shuffled[: d.retention_docs]
+    replay_convs = shuffled[d.retention_docs : d.retention_docs + d.replay_docs]
+
+    task_docs = [
+        _encode(tokenizer, f"{t.family}/{t.index}", "task", t.family, tasks.training_messages(t), d.answer_weight)
+        for t in track(train_tasks, "tokenizing tasks")
+    ]
+    replay_docs = [_encode(tokenizer, c.doc_id, "replay", None, c.messages, d.replay_weight) for c in track(replay_convs, "tokenizing replay")]
+    retention_docs = [_encode(tokenizer, c.doc_id, "retention", None, c.messages, 1.0) for c in track(retention_convs, "tokenizing retention")]
+    test_cases = [
+        {"case_id": f"{t.family}/{t.index}", "family": t.family, "messages": tasks.task_messages(t.question), "entry": t.entry}
+        for t in final.tasks
+    ]
+    test_prompts = {c["case_id"]: len(chat.prompt_ids(tokenizer, c["messages"])) for c in track(test_cases, "tokenizing test prompts")}
+    _check_prompts(cfg, task_docs + replay_docs + retention_docs, test_prompts)
+
+    # Checked, not assumed: disjointness holds by construction, a failure here is a bug.
+    shared_questions = training_questions & {t.question for t in final.tasks}
+    shared_conversations = {c.digest for c in replay_convs} & {c.digest for c in retention_convs}
+    if shared_questions or shared_conversations:
+        raise RuntimeError(f"prepare: {len(shared_questions)} test questions in training, {len(shared_conversations)} retention probes in replay")
+
+    truncated: dict[str, dict[str, int]] = {}
+    train: list[Document] = []
+    retention: list[Document] = []
+    for docs, out in ((task_docs, train), (replay_docs, train), (retention_docs, retention)):
+        for doc in docs:
+            doc, cut = truncate(doc, d.max_context)
+            out.append(doc)
+            if cut:
+                t = truncated.setdefault(doc.kind, {"documents": 0, "tokens": 0})
+                t["documents"] += 1
+                t["tokens"] += cut
+
+    schedule = make_schedule(len(train), cfg.train.updates, cfg.train.global_batch, d.schedule_seed)
+    files = {
+        TRAIN: _jsonl(doc.to_json() for doc in train),
+        RETENTION: _jsonl(doc.to_json() for doc in retention),
+        TEST: _jsonl(test_cases),
+        SCHEDULE: json.dumps(
+            {
+                "updates": schedule,
+                "global_batch": cfg.train.global_batch,
+                "documents": len(train),
+                "passes": -(-cfg.train.updates * cfg.train.global_batch // len(train)),
+                "seed": d.schedule_seed,
+            },
+            separators=(",", ":"),
+        ).encode(),
+    }
+    per_family = {
+        fam: {
+            "train": sum(1 for t in train_tasks if t.family == fam),
+            "test": sum(1 for t in final.tasks if t.family == fam),
+            "train_distinct_questions": len({t.question for t in train_tasks if t.family == fam}),
+            "test_dropped_seen_in_training": final.seen_in_training[fam],
+            "test_dropped_repeated": final.repeated_in_test[fam],
+            "prompt_tokens_mean": _mean([doc.prompt_tokens for doc in train if doc.family == fam]),
+            "answer_tokens_mean": _mean([doc.target_tokens for doc in train if doc.family == fam]),
+            "train_seeds": [tasks.family_seed(d.generation_seed, pos), tasks.family_seed(d.generation_seed, pos) + d.tasks_per_family - 1],
+            "test_seed": tasks.family_seed(d.test_seed, pos),
+        }
+        for pos, fam in enumerate(d.families)
+    }
+    manifest = {
+        "format": FORMAT,
+        "inputs_key": inputs_key(cfg),
+        "seed_model": {"source": cfg.model.source, "sha256": seed.sha256, "parameters": seed.parameters},
+        "files": {name: {"sha256": workspace.sha256_bytes(blob), "bytes": len(blob)} for name, blob in files.items()},
+        "counts": {
+            "train": len(train),
+            "tasks": len(task_docs),
+            "replay": len(replay_docs),
+            "retention": len(retention),
+            "test": len(test_cases),
+            "schedule_slots": cfg.train.updates * cfg.train.global_batch,
+        },
+        "families": per_family,
+        "tokens": {
+            "task": _kind_stats([doc for doc in train if doc.kind == "task"]),
+            "replay": _kind_stats([doc for doc in train if doc.kind == "replay"]),
+            "retention": _kind_stats(retention),
+            "test_prompt_mean": _mean(list(test_prompts.values())),
+            "test_prompt_max": max(test_prompts.values()),
+        },
+        "truncation": {
+            "max_context": d.max_context,
+            "documents": sum(t["documents"] for t in truncated.values()),
+            "tokens": sum(t["tokens"] for t in truncated.values()),
+            "by_kind": truncated,
+        },
+        "test_dropped": final.dropped,
+        "checks": {"test_questions_in_training": len(shared_questions), "retention_in_replay": len(shared_conversations)},
+        "conversations": pool.info,
+    }
+    return Built(files=files, manifest=manifest)
+
+
+def verify_folder(folder: Path, digest: str) -> dict[str, Any]:
+    """The manifest, after checking it and every file it names against `digest`."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise RefusedError(f"prepared inputs {folder}: {MANIFEST} is missing; run prepare again")
+    if workspace.sha256_file(manifest_path) != digest:
+        raise RefusedError(f"prepared inputs {folder}: {MANIFEST} changed since it was committed; run prepare again")
+    manifest = json.loads(manifest_path.read_text())
+    for name, info in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise RefusedError(f"prepared inputs {folder}: {name} is missing; run prepare again")
+        actual = workspace.sha256_file(path)
+        if actual != info["sha256"]:
+            raise RefusedError(
+                f"prepared inputs {folder}: {name} changed since it was committed "
+                f"(sha256 {actual[:12]}, committed {info['sha256'][:12]}); run prepare again"
+            )
+    return manifest
+
+
+def folder_for(digest: str) -> Path:
+    return workspace.subdir("prepared") / digest[:16]
+
+
+def write_prepared(built: Built) -> tuple[Path, str]:
+    """Write the folder unless an intact one with the same content exists.
+    Returns the folder and what happened: written, reused, or rewritten (the
+    folder existed but its files no longer matched)."""
+    digest = built.digest
+    folder = folder_for(digest)
+    status = "written"
+    if folder.exists():
+        try:
+            verify_folder(folder, digest)
+            return folder, "reused"
+        except RefusedError:
+            status = "rewritten"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        for name, blob in built.files.items():
+            (tmp / name).write_bytes(blob)
+        (tmp / MANIFEST).write_bytes(built.manifest_bytes)
+        tmp.chmod(0o755)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder, status
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            yield json.loads(line)
+
+
+def load_folder(folder: Path, digest: str) -> Prepared:
+    """The prepared inputs in `folder`, re-hashed against the manifest digest
+    `digest` (the ledger's, checked by coopstudy.commit.require.inputs)."""
+    manifest = verify_folder(folder, digest)
+    schedule = json.loads((folder / SCHEDULE).read_text())["updates"]
+    return Prepared(
+        folder=folder,
+        digest=digest,
+        train=[Document.from_json(r) for r in _read_jsonl(folder / TRAIN)],
+        retention=[Document.from_json(r) for r in _read_jsonl(folder / RETENTION)],
+        test=list(_read_jsonl(folder / TEST)),
+        schedule=schedule,
+        manifest=manifest,
+    )

@@ -1,0 +1,340 @@
+"""The equivalence gate: the batched DDP update against the per-document reference.
+
+Two real gloo ranks run the training update (`update.run_update`: contiguous
+split, length-sorted padded microbatches, no_sync accumulation, global
+normalization, DDP dense all-reduce, AdamW); one process runs the
+per-document reference (`update.reference_update`) from the same initial
+weights. After each of two updates, every parameter, both AdamW moments, the
+loss and the gradient norm must agree within TOLERANCE.
+
+Choices, and why:
+- float64 (precision=fp64): summation-order differences between padded
+  batches and single documents are then ~1e-15, so a tolerance of 1e-9
+  separates rounding from any real error (a wrong denominator, a lost worker
+  factor, a padded token that counts) by many orders of magnitude.
+- relative error of a tensor = max|a - b| / max|b| (per tensor, not per
+  element: elements near zero would turn rounding into large ratios).
+- a fixed small Llama (GATE_MODEL: 2 layers, width 32, grouped-query attention
+  and tied embeddings as in SmolLM2, a 256-token vocabulary) whatever the
+  preset: what the gate checks (batching, objective, accumulation, DDP's
+  averaging, the optimizer step) does not depend on model size, a small
+  model keeps the gate to seconds, and the receipt then binds only the
+  numerical sources and library versions, so one receipt serves every preset.
+  The optimizer hyperparameters and warmup are the preset's.
+- DDP without PowerSGD: PowerSGD is lossy by design; the gate checks the
+  dense path that the compressed arm also uses for its first updates.
+
+The receipt is bound to the sha256 of the numerical sources (SOURCES) and to
+the torch and transformers versions; `require_gate_receipt` refuses training
+when no receipt matches the current ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coopstudy import config as config_mod
+from coopstudy import workspace
+from coopstudy.config import Config
+from coopstudy.errors import UserError
+from coopstudy.numerics import batching, distributed, objective, update
+
+TOLERANCE = 1e-9
+WORLD_SIZE = 2
+GATE_MODEL: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
+_DOC_SEED = 20_240_601
+
+
+class GateFailed(UserError):
+    """The batched update does not match the reference."""
+
+
+# --- sources and receipts ----------------------------------------------------
+
+
+# --- cases -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateDoc:
+    input_ids: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    documents: tuple[GateDoc, ...]
+    schedule: tuple[tuple[int, ...], ...]
+    """One global batch per update, indices into documents."""
+    microbatch: int
+    grad_clip: float | None
+
+
+def gate_cases(grad_clip: float | None = None) -> list[Case]:
+    """The protocol's cases, each over two updates; `grad_clip` is the preset's."""
+    rng = random.Random(_DOC_SEED)
+    vocab = GATE_MODEL["vocab_size"]
+
+    def doc(*segments: tuple[int, float]) -> GateDoc:
+        # Segments of (tokens, weight); the first token is never a target.
+        weights = [w for n, w in segments for _ in range(n)]
+        weights[0] = 0.0
+        return GateDoc(tuple(rng.randrange(1, vocab) for _ in weights), tuple(weights))
+
+    def task(prompt: int, answer: int) -> GateDoc:
+        return doc((prompt, 0.0), (answer, 8.0))
+
+    spread = [(2, 1), (58, 2), (9, 3), (30, 1), (4, 4), (45, 5), (17, 2), (3, 1),
+              (50, 3), (6, 2), (25, 4), (12, 1), (40, 2), (8, 8), (33, 1), (20, 3)]  # fmt: skip
+    unequal = tuple(task(p, a) for p, a in spread)
+    two_batches_of_8 = (tuple(range(8)), tuple(range(8, 16)))
+
+    # Rank 0 holds the documents with many answer tokens (weight 8); rank 1
+    # holds replay documents with a few weight-1 tokens, or none at all.
+    heavy = [task(10, 20), task(5, 30), task(20, 15), task(8, 25), task(3, 40), task(12, 12), task(6, 18), task(15, 22)]
+    light = [doc((12, 0), (3, 1)), doc((30, 0)), doc((6, 0), (2, 1), (10, 0)), doc((20, 0), (1, 1)),
+             doc((9, 0), (2, 1)), doc((25, 0)), doc((4, 0), (1, 1), (7, 0)), doc((14, 0), (4, 1))]  # fmt: skip
+    concentrated = tuple(heavy + light)
+    heavy_first = ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+
+    # Prompt segments inside replay documents, and lengths chosen so that the
+    # sorted cut still pads a short document against a long one; one of rank
+    # 1's microbatches of update 1 has no target token at all.
+    masks = (
+        doc((50, 0), (6, 1), (8, 0), (5, 1)), task(2, 2), doc((3, 0), (1, 1)), task(1, 1),
+        doc((40, 0)), doc((38, 0)), task(4, 1), doc((2, 0), (3, 1)),
+        doc((20, 0), (10, 1), (20, 0), (10, 1)), task(3, 1), doc((5, 0), (1, 1)), task(2, 1),
+        doc((44, 0), (2, 1)), doc((36, 0), (6, 8)), task(3, 2), doc((2, 0), (2, 1)),
+    )  # fmt: skip
+
+    # Local batches of 5 in microbatches of 2: 2 + 2 + a partial 1.
+    partial = tuple(task(rng.randrange(1, 40), rng.randrange(1, 6)) for _ in range(20))
+
+    return [
+        Case("unequal-lengths", unequal, two_batches_of_8, 2, grad_clip),
+        Case("weights-on-one-rank", concentrated, heavy_first, 2, grad_clip),
+        Case("reversed-assignment", concentrated, tuple(row[::-1] for row in heavy_first), 2, grad_clip),
+        Case("prompt-and-padding-masks", masks, two_batches_of_8, 2, grad_clip),
+        Case("partial-final-microbatch", partial, (tuple(range(10)), tuple(range(10, 20))), 2, grad_clip),
+        # A clip that binds: the clipping path of both sides, whatever the preset says.
+        Case("clipped-gradient", unequal, two_batches_of_8, 3, 0.05),
+    ]
+
+
+# --- the two sides -----------------------------------------------------------
+
+
+def gate_model(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = LlamaForCausalLM(LlamaConfig(**GATE_MODEL))
+    return update.cast_for_training(lm, "fp64")
+
+
+def gate_config(cfg: Config) -> Config:
+    """The preset with what the gate fixes: float64 and gloo."""
+    raw = config_mod.apply_overrides(cfg.model_dump(mode="json"), ["train.precision=fp64", "distributed.backend=gloo"])
+    return config_mod.from_dict(raw)
+
+
+def _snapshot(lm: torch.nn.Module, optimizer: torch.optim.Optimizer, result: update.UpdateResult) -> dict[str, Any]:
+    params = dict(lm.named_parameters())
+    state = {name: optimizer.state[p] for name, p in params.items()}
+    return {
+        "param": {n: p.detach().clone() for n, p in params.items()},
+        "exp_avg": {n: s["exp_avg"].clone() for n, s in state.items()},
+        "exp_avg_sq": {n: s["exp_avg_sq"].clone() for n, s in state.items()},
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+    }
+
+
+def _batched_side(case: Case, cfg: Config, ctx: distributed.DistContext) -> list[dict[str, Any]]:
+    lm = gate_model(cfg.model.init_seed)
+    net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx, powersgd=False)
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+    scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
+    snapshots = []
+    for row in case.schedule:
+        plan = batching.plan_update(case.documents, row, ctx.rank, ctx.world_size, case.microbatch)
+        mbs = [
+            batching.collate([case.documents[i] for i in mb], device=ctx.device, weight_dtype=torch.float64)
+            for mb in plan.microbatches
+        ]
+        result = update.run_update(
+            net, optimizer, scheduler, mbs, plan.total_weight, ctx, precision="fp64", grad_clip=case.grad_clip, counter=counter
+        )
+        snapshots.append(_snapshot(lm, optimizer, result))
+    return snapshots
+
+
+def _reference_side(case: Case, cfg: Config) -> list[dict[str, Any]]:
+    lm = gate_model(cfg.model.init_seed)
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+    scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
+    snapshots = []
+    for row in case.schedule:
+        docs = [case.documents[i] for i in row]
+        total = batching.total_weight(case.documents, row)
+        result = update.reference_update(lm, optimizer, scheduler, docs, total, precision="fp64", grad_clip=case.grad_clip)
+        snapshots.append(_snapshot(lm, optimizer, result))
+    return snapshots
+
+
+def _rank_main(
+    rank: int, cfg: Config, cases: list[Case], port: int, out_dir: str, rank_setup: Callable[[], None] | None
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    torch.set_num_threads(1)
+    if rank_setup is not None:
+        rank_setup()
+    with distributed.session(cfg) as ctx:
+        results = {case.name: _batched_side(case, cfg, ctx) for case in cases}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+# --- comparison --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case, one update, one rank: the worst relative error of each quantity."""
+
+    case: str
+    update: int
+    rank: int
+    errors: dict[str, float]
+    """param, exp_avg, exp_avg_sq, loss, grad_norm -> worst relative error."""
+    worst: dict[str, str]
+    """The same keys -> which tensor (or value) was worst, with both values for scalars."""
+
+    @property
+    def passed(self) -> bool:
+        return all(e <= TOLERANCE for e in self.errors.values())
+
+
+@dataclass(frozen=True)
+class GateResult:
+    rows: list[Row]
+    seconds: float
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def max_rel_error(self) -> float:
+        return max(e for row in self.rows for e in row.errors.values())
+
+
+def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    a_t, b_t = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = float(b_t.abs().max())
+    diff = float((a_t - b_t).abs().max())
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0 else math.inf
+
+
+def _compare(case: str, update_no: int, rank: int, got: dict[str, Any], want: dict[str, Any]) -> Row:
+    errors: dict[str, float] = {}
+    worst: dict[str, str] = {}
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        per_tensor = {name: _rel(got[kind][name], want[kind][name]) for name in want[kind]}
+        name = max(per_tensor, key=per_tensor.__getitem__)
+        errors[kind], worst[kind] = per_tensor[name], name
+    for kind in ("loss", "grad_norm"):
+        errors[kind] = _rel(got[kind], want[kind])
+        worst[kind] = f"batched {got[kind]:.12g}, reference {want[kind]:.12g}"
+    return Row(case, update_no, rank, errors, worst)
+
+
+def _failure(row: Row) -> list[str]:
+    out = []
+    for kind, err in row.errors.items():
+        if err > TOLERANCE:
+            what = f"{kind} {row.worst[kind]}" if kind in ("param", "exp_avg", "exp_avg_sq") else f"{kind} ({row.worst[kind]})"
+            out.append(
+                f"case {row.case!r}, update {row.update}, rank {row.rank}: {what} differs by "
+                f"{err:.3g} relative (tolerance {TOLERANCE:g})"
+            )
+    return out
+
+
+def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> GateResult:
+    """Run every case on two gloo ranks and in one reference process; compare.
+
+    `rank_setup`, when given, runs first in each rank process (a picklable
+    function): tests use it to break the objective on purpose.
+    """
+    import torch.multiprocessing as mp
+
+    start = time.perf_counter()
+    cfg = gate_config(cfg)
+    cases = gate_cases(cfg.train.grad_clip)
+    with tempfile.TemporaryDirectory(prefix="coopstudy-gate-") as tmp:
+        ranks = mp.start_processes(
+            _rank_main,
+            args=(cfg, cases, workspace.free_port(), tmp, rank_setup),
+            nprocs=WORLD_SIZE,
+            join=False,
+            start_method="spawn",
+        )
+        # The reference runs here while the ranks start and compute.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            reference = {case.name: _reference_side(case, cfg) for case in cases}
+        finally:
+            torch.set_num_threads(threads)
+        try:
+            while not ranks.join():
+                pass
+        except mp.ProcessRaisedException as err:
+            last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
+            raise GateFailed(f"a gate rank failed: {last}") from None
+        except mp.ProcessExitedException as err:
+            raise GateFailed(f"a gate rank died: {err}") from None
+        batched = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+
+    rows = [
+        _compare(case.name, k + 1, rank, batched[rank][case.name][k], reference[case.name][k])
+        for case in cases
+        for k in range(len(case.schedule))
+        for rank in range(WORLD_SIZE)
+    ]
+    failures = [msg for row in rows for msg in _failure(row)]
+    return GateResult(rows=rows, seconds=time.perf_counter() - start, failures=failures)
+
+
+def case_summary(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Worst error per (case, update) over ranks, for a table."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        entry = out.setdefault((row.case, row.update), {"case": row.case, "update": row.update, "passed": True})
+        entry["passed"] &= row.passed
+        for kind, err in row.errors.items():
+            entry[kind] = max(entry.get(kind, 0.0), err)
+    return list(out.values())

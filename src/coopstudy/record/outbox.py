@@ -1,0 +1,417 @@
+"""A tracking server that may be missing or may go away: the preflight, and
+the outbox that keeps what could not be written during an outage.
+
+`preflight(uri, experiment)` runs once per process before a stage does any
+work (writer.stage_run calls it for http(s) URIs): the server must answer
+within seconds, accept the credentials, hold the experiment active (or let us
+create it), store its artifacts through the server (proxied), and let us
+write to it. Anything else stops the stage with one line.
+
+`Outbox` is what makes an outage during a run not a lost run. A Recorder
+sends each record (a batch of metrics, params or tags; a text artifact; a
+file to upload; the run's end) through its run's outbox: when the server does
+not answer, the record is appended to `<home>/outbox/<run id>.jsonl`, one
+warning goes to stderr, and work goes on. Later records queue behind it, so
+the order is kept; every record after a retry interval first tries to
+deliver the queue. At the end of the run (the stage's end, or the exit of a
+training process) the queue gets a grace period to drain; what is still
+undeliverable is reported, naming the file and the command that delivers it:
+
+    python -m coopstudy remote deliver [RUN_ID ...] [--tracking-uri URI]
+    python -m coopstudy remote check [--experiment NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from coopstudy import workspace
+from coopstudy.errors import UserError
+from coopstudy.record import schema, store
+
+# The preflight's own, whatever the user set: a dead server is reported in
+# seconds; a healthy one answers these small requests in milliseconds.
+PREFLIGHT_HTTP = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+ENV_GRACE = "COOPSTUDY_OUTBOX_GRACE_S"
+DEFAULT_GRACE_S = 30.0
+"""How long the end of a run waits for a queue to drain (a server restart takes seconds)."""
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 60.0
+"""While the server is away, delivery is tried again after this interval, doubling up to the
+maximum: the records in between go straight to the file and cost the loop nothing."""
+
+_checked: dict[tuple[str, str], str] = {}
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def is_outage(err: BaseException) -> bool:
+    """True when the server could not be reached or did not answer in time (the request may be
+    repeated later); False for an answer that refused the request (it would be refused again)."""
+    import requests
+
+    seen: BaseException | None = err
+    while seen is not None:
+        # MLflow wraps the requests error in an MlflowException without `from`, so the
+        # cause is only on __context__.
+        if isinstance(seen, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def reason(err: BaseException) -> str:
+    """The innermost error in a few words (MLflow's own message repeats the whole URL chain)."""
+    text = str(err)
+    for marker, words in (
+        ("Connection refused", "connection refused"),
+        ("Name or service not known", "unknown host"),
+        ("nodename nor servname", "unknown host"),
+        ("timed out", "timed out"),
+        ("Read timed out", "timed out"),
+        ("too many 5", "the server kept answering with errors"),
+        ("Max retries exceeded", "no connection"),
+    ):
+        if marker in text:
+            return words
+    return type(err).__name__
+
+
+def _uri_origin() -> str:
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return "MLFLOW_TRACKING_URI"
+    return str(store.remote_file())
+
+
+def explain(err: BaseException, uri: str, experiment: str) -> str:
+    """One line for a preflight failure: what is wrong and what to do."""
+    from mlflow.exceptions import MlflowException
+
+    if is_outage(err):
+        return (
+            f"the tracking server {uri} does not answer ({reason(err)}); start it, or correct the URI "
+            f"(from {_uri_origin()}); nothing was run"
+        )
+    status = err.get_http_status_code() if isinstance(err, MlflowException) else None
+    if status == 401:
+        return (
+            f"the tracking server {uri} wants credentials: set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment; nothing was run"
+        )
+    if status == 403:
+        return f"the tracking server {uri} does not let this user write to experiment {experiment!r}; nothing was run"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return f"the tracking server {uri} refused experiment {experiment!r}: {first}; nothing was run"
+
+
+def preflight(uri: str, experiment: str) -> str:
+    """The experiment's id, once the server answered and accepted a write to it; a UserError
+    naming the problem otherwise. Checked once per process and (uri, experiment)."""
+    key = (uri, experiment)
+    if key in _checked:
+        return _checked[key]
+    from mlflow import MlflowClient
+
+    with _environment(PREFLIGHT_HTTP):
+        client = MlflowClient(tracking_uri=uri)
+        try:
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                client.create_experiment(experiment)
+                exp = client.get_experiment_by_name(experiment)
+            if exp.lifecycle_stage != "active":
+                raise UserError(
+                    f"experiment {experiment!r} is deleted on the tracking server {uri}; restore it "
+                    f"(`mlflow experiments restore --experiment-id {exp.experiment_id}`) or choose another with "
+                    "--set experiment=NAME; nothing was run"
+                )
+            scheme = urlsplit(exp.artifact_location).scheme
+            if scheme in ("", "file"):
+                # A plain path is taken on whichever machine logs: checkpoints would land
+                # on the training host's disk, not with the record.
+                raise UserError(
+                    f"experiment {experiment!r} on {uri} keeps artifacts at {exp.artifact_location}, a path on "
+                    "each logging machine; serve artifacts through the server (`mlflow server "
+                    "--artifacts-destination DIR`) and use a new experiment; nothing was run"
+                )
+            # Creating a run needs the same permission as this tag (update on the
+            # experiment); the tag also says who last checked, from where.
+            client.set_experiment_tag(
+                exp.experiment_id,
+                schema.TAG_PREFLIGHT,
+                f"{socket.gethostname()} {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+            )
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure becomes one line that says what to do
+            raise UserError(explain(err, uri, experiment)) from None
+    _checked[key] = exp.experiment_id
+    return exp.experiment_id
+
+
+# --- the outbox -------------------------------------------------------------
+
+
+def outbox_dir() -> Path:
+    return workspace.home() / "outbox"
+
+
+def apply(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
+    """Write one record to the run."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    op = record["op"]
+    if op == "batch":
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, ts, step) for k, v, ts, step in record.get("metrics", ())],
+            params=[Param(k, v) for k, v in record.get("params", ())],
+            tags=[RunTag(k, v) for k, v in record.get("tags", ())],
+        )
+    elif op == "text":
+        client.log_text(run_id, record["text"], record["artifact_file"])
+    elif op == "artifact":
+        path = Path(record["path"])
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), record.get("artifact_path"))
+        else:
+            client.log_artifact(run_id, str(path), record.get("artifact_path"))
+    elif op == "terminate":
+        client.set_terminated(run_id, record["status"], end_time=record["end_time"])
+    else:
+        raise ValueError(f"unknown outbox record {op!r}")
+
+
+def describe(records: list[dict[str, Any]]) -> str:
+    """What the records hold, in a few words: metric steps by key, counts of the rest."""
+    steps: dict[str, list[int]] = {}
+    other: dict[str, int] = {}
+    for rec in records:
+        for key, _value, _ts, step in rec.get("metrics", ()):
+            steps.setdefault(key, []).append(step)
+        for field in ("params", "tags"):
+            if rec.get(field):
+                other[field] = other.get(field, 0) + len(rec[field])
+        if rec["op"] != "batch":
+            other[rec["op"]] = other.get(rec["op"], 0) + 1
+    parts = [f"{key} steps {min(s)}-{max(s)} ({len(s)})" for key, s in list(steps.items())[:3]]
+    if len(steps) > 3:
+        parts.append(f"{len(steps) - 3} more metric keys")
+    names = {"params": "params", "tags": "tags", "text": "text artifacts", "artifact": "uploads", "terminate": "the run's end"}
+    parts += [f"{n} {names[k]}" if k != "terminate" else names[k] for k, n in other.items()]
+    return ", ".join(parts) or "nothing"
+
+
+class Outbox:
+    """One run's records that await the server, in order, in one JSONL file."""
+
+    _warned: set[Path] = set()
+    _reported: set[Path] = set()
+
+    def __init__(self, run_id: str, uri: str, client: Any):
+        self.run_id, self.uri, self.client = run_id, uri, client
+        self.path = outbox_dir() / f"{run_id}.jsonl"
+        self._retry_at = 0.0
+        self._interval = RETRY_FIRST_S
+        self._exit_hook = False
+
+    def send(self, record: dict[str, Any]) -> None:
+        """Write the record now, or keep it behind the ones already waiting."""
+        if self.path.exists() and not (time.monotonic() >= self._retry_at and self.deliver()):
+            self._keep(record)
+            return
+        try:
+            apply(self.client, self.run_id, record)
+        except Exception as err:
+            if not is_outage(err):
+                raise
+            self._went_away(err)
+            self._keep(record)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[IO[str]]:
+        # Several processes may hold records of one run (the stage, rank 0): the lock
+        # keeps the file whole; a file emptied and removed meanwhile is opened again.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fh = open(self.path, "a+")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fh.close()
+        try:
+            yield fh
+        finally:
+            fh.close()
+
+    def _keep(self, record: dict[str, Any]) -> None:
+        with self._locked() as fh:
+            fh.write(json.dumps(record | {"run_id": self.run_id, "uri": self.uri}) + "\n")
+            fh.flush()
+        if not self._exit_hook:
+            # A training process has no stage around it: its exit is its run's end.
+            atexit.register(self.finish)
+            self._exit_hook = True
+
+    def _went_away(self, err: BaseException) -> None:
+        self._retry_at = time.monotonic() + self._interval
+        self._interval = min(self._interval * 2, RETRY_MAX_S)
+        if self.path not in Outbox._warned:
+            Outbox._warned.add(self.path)
+            print(
+                f"coopstudy: tracking server {self.uri} unreachable ({reason(err)}); run {self.run_id} goes on, "
+                f"its records wait in {self.path} on {socket.gethostname()} and are delivered when the server answers",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def deliver(self) -> bool:
+        """Send every waiting record in order; True when none is left."""
+        if not self.path.exists():
+            return True
+        with self._locked() as fh:
+            fh.seek(0)
+            records = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+            for sent, record in enumerate(records):
+                try:
+                    apply(self.client, self.run_id, record)
+                except Exception as err:
+                    if not is_outage(err):
+                        self._reject(record, err)
+                        continue
+                    self._went_away(err)
+                    # Only the undelivered rest stays, so nothing is sent twice.
+                    fh.seek(0)
+                    fh.truncate()
+                    fh.writelines(json.dumps(r) + "\n" for r in records[sent:])
+                    return False
+            os.unlink(self.path)
+        self._interval = RETRY_FIRST_S
+        if records:
+            print(f"coopstudy: delivered {len(records)} waiting records of run {self.run_id} ({describe(records)}) to {self.uri}", file=sys.stderr, flush=True)
+        return True
+
+    def _reject(self, record: dict[str, Any], err: BaseException) -> None:
+        # The server answered and refused it: sending it again would be refused again,
+        # and holding it would block every record behind it. It is kept aside, said once.
+        rejected = self.path.with_suffix(".rejected")
+        with open(rejected, "a") as fh:
+            fh.write(json.dumps(record | {"error": str(err)[:2000]}) + "\n")
+        print(f"coopstudy: the server refused a waiting record of run {self.run_id} ({describe([record])}): "
+              f"{(str(err).splitlines() or [''])[0][:300]}; kept in {rejected}", file=sys.stderr, flush=True)
+
+    def settle(self, grace_s: float | None = None) -> bool:
+        """At the run's end: deliver, retrying for up to `grace_s`; True when nothing waits."""
+        grace_s = float(os.environ.get(ENV_GRACE, DEFAULT_GRACE_S)) if grace_s is None else grace_s
+        deadline = time.monotonic() + grace_s
+        while not self.deliver():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(self._interval, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def finish(self) -> bool:
+        """The run's end: settle, and say plainly what is still waiting and how to send it
+        (once per process: the exit of a process whose stage already said it stays quiet).
+        True when nothing waits."""
+        if self.path in Outbox._reported:
+            return False
+        if self.settle():
+            return True
+        Outbox._reported.add(self.path)
+        with self._locked() as fh:
+            fh.seek(0)
+            records = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+        print(
+            f"coopstudy: run {self.run_id} is INCOMPLETE on {self.uri}: the server did not come back; "
+            f"{len(records)} records ({describe(records)}) are kept in {self.path} on {socket.gethostname()}. "
+            f"Deliver them when it answers: python -m coopstudy remote deliver {self.run_id}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+
+
+# --- python -m coopstudy remote ----------------------------------------------
+
+
+def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
+    """Deliver waiting outboxes (all of them without run ids) to the server each record was
+    written for, or to `uri`; run id -> whether nothing is left."""
+    from mlflow import MlflowClient
+
+    paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
+    done: dict[str, bool] = {}
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"no outbox {path}: nothing waits for that run on this host")
+        first = json.loads(path.read_text().splitlines()[0])
+        target = uri or first["uri"]
+        # This command says itself whether the server answered.
+        Outbox._warned.add(path)
+        done[path.stem] = Outbox(path.stem, target, MlflowClient(tracking_uri=target)).deliver()
+    return done
+
+
+HELP = "the tracking server: check that it answers, deliver records kept during an outage"
+DESCRIPTION = __doc__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("deliver", help="send records kept during an outage (<home>/outbox/*.jsonl) to the server")
+    d.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="only these runs' outboxes (default: all)")
+    d.add_argument("--tracking-uri", default=None, help="deliver here instead of the server the records were written for")
+    c = sub.add_parser("check", help="the preflight alone: does the tracking server answer and take writes?")
+    c.add_argument("--experiment", default=store.DEFAULT_EXPERIMENT)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.command == "check":
+        uri = store.tracking_uri()
+        if not store.is_http(uri):
+            print(f"tracking URI {uri} is not a server; nothing to check")
+            return 0
+        exp_id = preflight(uri, args.experiment)
+        print(f"tracking server {uri} answers; experiment {args.experiment!r} (id {exp_id}) takes writes")
+        return 0
+    store.use_http_defaults()
+    done = deliver_all(args.run_ids, args.tracking_uri)
+    left = [run for run, ok in done.items() if not ok]
+    if left:
+        raise UserError(f"the server still does not answer; records of {len(left)} runs wait in {outbox_dir()} (run this again later)")
+    print(f"delivered the waiting records of {len(done)} runs" if done else "no records wait in " + str(outbox_dir()))
+    return 0

@@ -1,0 +1,317 @@
+"""The one training loop: control, compressed arm and probes.
+
+Every training process runs `python -m coopstudy worker`: the control as one
+plain process, the compressed arm as ranks the DeepSpeed launcher starts
+(coopstudy.run.launch). What differs between them is only what
+`distributed.init` finds in the environment (one process, or RANK and
+WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
+
+Rank 0 writes the record: one batched metrics call per update, then the
+run's summary (active and checkpoint seconds, peak memory of every rank,
+transmitted bytes by phase) and the verified checkpoint. The stage that
+launched the processes adds what only it can measure (complete seconds,
+device-seconds, cost) and ends the run.
+
+A probe (`--probe`) is this loop for a few updates without a checkpoint;
+every rank also holds itself to the device's capacity (`--capacity-mb`) and
+reports its update seconds and memory, whatever the outcome (coopstudy.run.capacity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+
+from coopstudy import workspace
+from coopstudy.commit import require
+from coopstudy.config import ARMS, Config
+from coopstudy.errors import UserError
+from coopstudy.numerics import batching, distributed, objective, update
+from coopstudy.record import schema, writer
+from coopstudy.run import capacity, checkpoint, launch
+
+
+class Stopped(Exception):
+    """The process was asked to stop (SIGTERM): the launcher stops every rank
+    once one has failed, and the stage stops its processes when it is stopped."""
+
+
+def train(
+    cfg: Config, arm: str, run_id: str, *, updates: int | None = None, save: bool = True, probing: capacity.RankProbe | None = None
+) -> None:
+    torch.set_num_threads(cfg.train.threads_per_device)
+    shape = getattr(cfg.arms, arm)
+    with distributed.session(cfg) as ctx:
+        if ctx.world_size != shape.workers:
+            raise UserError(f"arm {arm} has {shape.workers} workers but {ctx.world_size} processes were started")
+        if probing is not None:
+            probing.start(ctx.device)
+        rec = writer.Recorder(run_id) if ctx.is_main else None
+
+        # Checked again in every process: a rank may run on another host.
+        prepared, seed = require.seeded_inputs(cfg)
+        schedule = prepared.schedule if updates is None else prepared.schedule[:updates]
+        documents = prepared.train
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        # Our own progress display is the one a person watches.
+        hf_logging.disable_progress_bar()
+
+        precision = cfg.train.precision
+        lm = update.cast_for_training(AutoModelForCausalLM.from_pretrained(seed.path), precision).to(ctx.device)
+        # DDP broadcasts rank 0's weights at construction, so every rank starts
+        # from the same seed even if its own copy were different.
+        net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx)
+        if probing is not None:
+            probing.watch(lm)
+        optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+        scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
+        weight_dtype = objective.param_dtype(precision)
+
+        progress = _Progress(f"train {arm}", len(schedule)) if ctx.is_main else None
+        first_start = last_end = 0.0
+        phases: list[str | None] = []
+        for k, global_batch in enumerate(schedule, start=1):
+            start = time.perf_counter()
+            if k == 1:
+                first_start = start
+            # Same global batch in every arm; this worker takes its contiguous
+            # share, sorts it by length and cuts it into microbatches.
+            plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, shape.microbatch)
+            microbatches = [
+                batching.collate([documents[i] for i in mb], device=ctx.device, weight_dtype=weight_dtype) for mb in plan.microbatches
+            ]
+            result = update.run_update(
+                net, optimizer, scheduler, microbatches, plan.total_weight, ctx,
+                precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
+            )
+            # run_update ends by reading the loss off the device (after the
+            # optimizer step in stream order), so the clock stops when the
+            # device has finished the update, not when its kernels were queued.
+            last_end = time.perf_counter()
+            if probing is not None:
+                probing.updated(last_end - start)
+            phases.append(result.comm.phase if result.comm else None)
+            if rec is not None:
+                rec.log_metrics(
+                    {
+                        schema.M_LOSS: result.loss,
+                        schema.M_GRAD_NORM: result.grad_norm,
+                        schema.M_LR: result.lr,
+                        schema.M_UPDATE_SECONDS: last_end - start,
+                        schema.M_TOKENS: result.tokens,
+                        # One worker's collective payload; the control sends nothing.
+                        schema.M_BYTES: result.comm.total if result.comm else 0,
+                    },
+                    step=k,
+                )
+                progress.update(k, result.loss, last_end - start)
+        if progress is not None:
+            progress.close()
+
+        saved = None
+        if save and ctx.is_main:
+            saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
+        memory = _gather_peak_memory(ctx)
+        if rec is not None:
+            summary = {
+                "arm": arm,
+                "workers": ctx.world_size,
+                "backend": ctx.backend,
+                "device": str(ctx.device),
+                "host": socket.gethostname(),
+                "threads_per_device": cfg.train.threads_per_device,
+                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+                "precision": precision,
+                "updates": len(schedule),
+                "phases": phases,
+                # Which documents each worker held for each update: the split is part of the record.
+                "assignment": batching.assignment(schedule, ctx.world_size),
+                "active_seconds": last_end - first_start,
+                "memory_by_rank": memory,
+                "inputs_sha256": prepared.digest,
+                "seed_sha256": seed.sha256,
+                "torch": torch.__version__,
+            }
+            _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
+        # The DDP model and its comm-hook state must go before the process
+        # group does: gloo otherwise aborts now and then at interpreter exit.
+        del net, counter
+
+
+def _gather_peak_memory(ctx: distributed.DistContext) -> list[dict[str, float]]:
+    """Every rank's peak memory (the figure that decides whether a setting fits
+    a device), gathered by a sum where each rank fills only its own slots."""
+    mine = _peak_memory_mb(ctx.device)
+    slots = [0.0] * (len(mine) * ctx.world_size)
+    slots[ctx.rank * len(mine) : (ctx.rank + 1) * len(mine)] = mine
+    gathered = distributed.all_reduce_sums(slots)
+    names = ("peak_rss_mb", "cuda_max_allocated_mb", "cuda_max_reserved_mb")
+    return [dict(zip(names, gathered[r * len(mine) : (r + 1) * len(mine)])) for r in range(ctx.world_size)]
+
+
+def _record_run(rec: writer.Recorder, summary: dict, counter: distributed.ByteCounter | None, saved: checkpoint.Saved | None, *, cuda: bool) -> None:
+    """Rank 0's part of the run record; the stage adds complete seconds and cost."""
+    memory = summary["memory_by_rank"]
+    totals = counter.totals() if counter else None
+    summary["bytes"] = dataclasses.asdict(totals) | {"total": totals.total} if totals else None
+    metrics = {
+        schema.M_ACTIVE_SECONDS: summary["active_seconds"],
+        schema.M_PEAK_RSS_MB: max(m["peak_rss_mb"] for m in memory),
+        schema.M_BYTES_DENSE: totals.dense if totals else 0,
+        schema.M_BYTES_COMPRESSED: totals.compressed if totals else 0,
+        schema.M_BYTES_TOTAL: totals.total if totals else 0,
+    }
+    if cuda:
+        metrics[schema.M_CUDA_MAX_ALLOCATED_MB] = max(m["cuda_max_allocated_mb"] for m in memory)
+        metrics[schema.M_CUDA_MAX_RESERVED_MB] = max(m["cuda_max_reserved_mb"] for m in memory)
+    if saved is not None:
+        upload_start = time.perf_counter()
+        rec.log_artifact(saved.folder, schema.ART_CHECKPOINT)
+        # Writing, hashing, reading back and keeping it in the record.
+        metrics[schema.M_CHECKPOINT_SECONDS] = saved.seconds + time.perf_counter() - upload_start
+        rec.set_tags({schema.TAG_CHECKPOINT_SHA: saved.sha256, schema.TAG_CHECKPOINT_PATH: str(saved.folder)})
+        summary["checkpoint"] = {"path": str(saved.folder), "sha256": saved.sha256, "seconds": metrics[schema.M_CHECKPOINT_SECONDS]}
+    rec.log_metrics(metrics)
+    rec.log_dict(summary, schema.ART_TRAIN_SUMMARY)
+
+
+def _peak_memory_mb(device: torch.device) -> list[float]:
+    """[peak RSS, CUDA max allocated, CUDA max reserved] of this process, MiB."""
+    rss = capacity.peak_rss_mb()
+    if device.type != "cuda":
+        return [rss, 0.0, 0.0]
+    return [rss, torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20]
+
+
+class _Progress:
+    """Update k of N, loss, seconds per update, ETA: a live bar at a terminal,
+    one log line per update anywhere else (files, pipes, CI)."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, total
+        self.started = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn(label),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} s/update"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                # Redrawn on each update only: no display thread competes
+                # with training for the device's one core.
+                auto_refresh=False,
+            )
+            self.task = self.bar.add_task(label, total=total, loss="-", rate="-")
+            self.bar.start()
+
+    def update(self, k: int, loss: float, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=k, loss=f"{loss:.4f}", rate=f"{seconds:.2f}", refresh=True)
+            return
+        eta = (time.perf_counter() - self.started) / k * (self.total - k)
+        print(f"{self.label}: update {k}/{self.total} loss {loss:.4f} {seconds:.2f} s/update ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _record_error(run_id: str, rank: int, err: BaseException) -> None:
+    """Keep this process's error on the run; the stage's own error tag says
+    what it saw from outside (exit codes), this says why."""
+    first_line = (str(err).strip().splitlines() or [""])[0]
+    try:
+        rec = writer.Recorder(run_id)
+        rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": f"{type(err).__name__}: {first_line}"[:4000]})
+        rec.log_text("".join(traceback.format_exception(err)), f"{schema.ART_WORKER_ERROR_PREFIX}{rank}.txt")
+    except Exception:  # noqa: BLE001 - the original error matters more than the record of it
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name} (sent to every rank once one has failed, or when the job is stopped)")
+
+
+def _positive(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw} is not a positive number of updates")
+    return value
+
+
+HELP = "one training process of an arm (started by `train` and `probe`, not by hand)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--config", required=True, help="the resolved config (launch.encode_config)")
+    parser.add_argument("--run-id", default=os.environ.get(writer.ENV_RUN_ID), help="the MLflow run this process writes to")
+    parser.add_argument("--allocator", choices=("default", "expandable"), default="expandable")
+    parser.add_argument("--updates", type=_positive, default=None, help="stop after this many updates (probes)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="keep no final weights (probes)")
+    parser.add_argument("--probe", action="store_true", help="report update seconds and memory to the run, whatever the outcome")
+    parser.add_argument("--capacity-mb", type=_positive, default=None, help="with --probe: the device's capacity, MiB")
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.run_id:
+        raise UserError(f"--run-id or {writer.ENV_RUN_ID} is required")
+    # The launcher's environment says the same on this host; a rank on a
+    # second host gets only what DeepSpeed forwards, so the process sets it
+    # itself, before CUDA's allocator reads it on the first allocation.
+    if args.allocator == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = launch.EXPANDABLE
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    rank = int(os.environ.get("RANK", "0"))
+    probing = capacity.RankProbe(args.run_id, rank, args.capacity_mb) if args.probe else None
+    try:
+        cfg = launch.decode_config(args.config)
+        train(cfg, args.arm, args.run_id, updates=args.updates, save=not args.no_checkpoint, probing=probing)
+    except (UserError, Stopped) as err:
+        # Known causes need no traceback: one line, and the record.
+        _record_error(args.run_id, rank, err)
+        _report(probing, err)
+        print(f"coopstudy train (rank {rank}): {err}", file=sys.stderr)
+        return 2 if isinstance(err, UserError) else 128 + signal.SIGTERM
+    except BaseException as err:
+        _record_error(args.run_id, rank, err)
+        _report(probing, err)
+        if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
+            # What a probe is for: one line here, the traceback on the run.
+            print(f"coopstudy train (rank {rank}): {err}", file=sys.stderr)
+            return 1
+        raise
+    if probing is not None:
+        probing.finish(None)
+    return 0
+
+
+def _report(probing: capacity.RankProbe | None, err: BaseException) -> None:
+    """The probe's report of a failed process; the failure matters more than its report."""
+    if probing is None:
+        return
+    try:
+        probing.finish(err)
+    except Exception:  # noqa: BLE001
+        pass
+

@@ -1,0 +1,380 @@
+"""Scoring one model: greedy answers to the final test, judged by each family's
+own reasoning-gym verifier, and the retention probes' per-document NLL.
+
+Generation is batched: prompts sorted by length, left-padded, decoded with a
+KV cache, each sequence stopped at its end of turn. Run in fp32, it gives
+the same tokens as one prompt at a time (`python -m coopstudy.bench_generate`
+checks this and measures the speed-up).
+
+Answer extraction is the same for every family (see `extract_answer`); a case
+is correct only when the verifier gives it full credit (1.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from coopstudy.config import EvaluateConfig
+from coopstudy.errors import UserError
+from coopstudy.inputs import chat, tasks
+from coopstudy.record import schema
+
+END_OF_TURN = "<|im_end|>"
+"""ChatML's end of turn; generation also stops at the tokenizer's eos."""
+LM_HEAD_CHUNK = 1024
+"""Target positions per lm_head call in the NLL: bounds the (positions x vocab) logits."""
+
+# "Answer: 12", "the answer is 12", "Final answer = 12" (the last one counts).
+_ANSWER_MARKER = re.compile(r"\banswer\s*(?:is\b\s*:?|:|=)\s*", re.IGNORECASE)
+# A number as the numeric verifiers read it: sign, thousands commas, decimals;
+# not a digit run inside a word ("x2") or after a decimal point.
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:,\d{3})*(?:\.\d+)?")
+_DECORATION = " \t\r\n\"'`*.$"
+
+
+Progress = Callable[[int], None]
+"""Called with the number of items just finished."""
+
+
+# --- answers ---------------------------------------------------------------
+def is_numeric(text: str) -> bool:
+    try:
+        return Decimal(str(text).strip().replace(",", "")).is_finite()
+    except InvalidOperation:
+        return False
+
+
+def extract_answer(output: str, numeric: bool) -> str:
+    """The answer in a model's output, by one rule for every family.
+
+    1. Only the text before the end of turn counts, stripped.
+    2. If it says "answer: X", "answer is X" or "answer = X", only what follows
+       the last such marker, up to the end of that line, counts.
+    3. When the expected answer is a number (its shape, never its value), the
+       last number in that text is the answer ("16 * 33 = 528" gives 528);
+       otherwise the text itself, without surrounding quotes, markdown
+       emphasis or a final period.
+    4. No number where one is expected: the text as it is (the verifier
+       scores it, usually 0).
+    """
+    text = output.split(END_OF_TURN, 1)[0].strip()
+    markers = list(_ANSWER_MARKER.finditer(text))
+    if markers:
+        text = text[markers[-1].end() :].split("\n", 1)[0].strip()
+    if numeric:
+        numbers = _NUMBER.findall(text)
+        if numbers:
+            return numbers[-1]
+    return text.strip(_DECORATION) or text
+
+
+def score_case(case: dict[str, Any], output: str) -> dict[str, Any]:
+    """One row of the test table: the extracted answer and the verifier's score."""
+    entry = case["entry"]
+    answer = extract_answer(output, is_numeric(entry["answer"]))
+    score = tasks.score_answer(case["family"], answer, entry)
+    return {
+        "case_id": case["case_id"],
+        "family": case["family"],
+        "prompt": case["messages"][-1]["content"],
+        "output": output,
+        "answer": answer,
+        "expected": str(entry["answer"]),
+        "score": score,
+        # The pre-registered rule: partial credit is not correct.
+        "correct": score >= 1.0,
+    }
+
+
+# --- models ------------------------------------------------------------------
+def _reason(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def load_tokenizer(path: Path, name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any failure means the same: no usable tokenizer there
+        raise UserError(f"{name}: the tokenizer in {path} cannot be loaded ({_reason(err)})") from None
+
+
+def check_tokenizer(tokenizer: Any, reference: Any, name: str) -> None:
+    """Refuse a tokenizer that would read or write tokens differently from the seed's."""
+    problems = []
+    if len(tokenizer) != len(reference):
+        problems.append(f"{len(tokenizer)} tokens, the seed's has {len(reference)}")
+    elif tokenizer.get_vocab() != reference.get_vocab():
+        problems.append("the same size but different tokens")
+    for attr in ("bos_token", "eos_token", "pad_token"):
+        mine, theirs = getattr(tokenizer, attr), getattr(reference, attr)
+        if mine != theirs:
+            problems.append(f"{attr} {mine!r}, the seed's is {theirs!r}")
+    if sorted(tokenizer.all_special_tokens) != sorted(reference.all_special_tokens):
+        problems.append("different special tokens")
+    if tokenizer.chat_template != reference.chat_template:
+        problems.append("a different chat template")
+    if problems:
+        raise UserError(f"{name}: its tokenizer does not match the seed model's ({'; '.join(problems)})")
+
+
+def check_weights(path: Path, name: str) -> None:
+    """Refuse weights whose safetensors header is unreadable or does not fit
+    the file: a cheap check of every model before any is scored."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{name}: no *.safetensors weights in {path}")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as weights:
+                weights.keys()
+        except Exception as err:  # noqa: BLE001 - a bad header raises several error types
+            raise UserError(f"{name}: the checkpoint in {path} cannot be loaded ({_reason(err)})") from None
+
+
+def load_model(path: Path, name: str, tokenizer: Any) -> Any:
+    """The model in fp32 on the evaluation device; a UserError for anything
+    missing, unreadable or too small for its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # Per-tensor loading bars for three models would bury the evaluation's own.
+    hf_logging.disable_progress_bar()
+    if not (path / "config.json").is_file():
+        raise UserError(f"{name}: {path} is not a model directory (no config.json)")
+    try:
+        # fp32, so that batched and one-at-a-time decoding pick the same tokens.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - truncated file, bad header, missing tensor: all "cannot load"
+        raise UserError(f"{name}: the checkpoint in {path} cannot be loaded ({_reason(err)})") from None
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise UserError(
+            f"{name}: the model embeds {model.get_input_embeddings().num_embeddings} tokens, "
+            f"its tokenizer has {len(tokenizer)}"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval()
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end a turn: the tokenizer's eos and ChatML's <|im_end|>."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)}
+    return sorted(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
+
+
+def padding_id(tokenizer: Any) -> int:
+    """Padding is masked out; a tokenizer without a pad token pads with its end of turn."""
+    return stop_ids(tokenizer)[0] if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+# --- generation ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Generated:
+    tokens: list[int]
+    """Generated ids before the end of turn (which is not included)."""
+    finished: bool
+    """False when max_new_tokens cut the answer short."""
+
+
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    stop: Sequence[int],
+    pad_id: int,
+    progress: Progress | None = None,
+) -> list[Generated]:
+    """Greedy continuations of token prompts, in the prompts' order."""
+    import torch
+    from transformers import GenerationConfig
+
+    settings = GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_id
+    )
+    device = next(model.parameters()).device
+    # Longest first: similar lengths share a batch (little padding), and a
+    # batch too large for memory fails at once rather than at the end.
+    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    out: list[Generated | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            # Left padding: every prompt ends where generation starts. generate()
+            # derives position ids from the mask, so a padded prompt sees the
+            # same positions as it would alone.
+            n = len(prompts[i])
+            ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            mask[r, width - n :] = 1
+        with torch.inference_mode():
+            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings)
+        for r, i in enumerate(rows):
+            new = seqs[r, width:].tolist()
+            cut = next((k for k, t in enumerate(new) if t in stop), None)
+            out[i] = Generated(new if cut is None else new[:cut], cut is not None)
+        if progress:
+            progress(len(rows))
+    return out  # type: ignore[return-value]
+
+
+# --- retention ---------------------------------------------------------------------
+def retention_nll(model: Any, documents: Sequence[Any], *, batch_size: int, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Per document: the NLL (nats) of its target tokens (weight > 0) given the
+    tokens before them, summed and averaged per token. Targets count equally,
+    whatever their weight: the probe measures the assistant turns as written."""
+    import torch
+
+    device = next(model.parameters()).device
+    # logits = lm_head(final hidden state), as in Llama; a model that rescales
+    # or caps its logits would need its own head here.
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    order = sorted(range(len(documents)), key=lambda i: (-len(documents[i].input_ids), i))
+    sums = [0.0] * len(documents)
+    counts = [0] * len(documents)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(documents[i].input_ids) for i in rows)
+        # Right padding: a causal model's real tokens never attend to it.
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        row_of, pos_of, target_of, doc_of = [], [], [], []
+        for r, i in enumerate(rows):
+            doc = documents[i]
+            n = len(doc.input_ids)
+            ids[r, :n] = torch.tensor(list(doc.input_ids), dtype=torch.long)
+            mask[r, :n] = 1
+            for t in range(1, n):
+                if doc.weights[t] > 0:
+                    row_of.append(r)
+                    pos_of.append(t - 1)
+                    target_of.append(doc.input_ids[t])
+                    doc_of.append(i)
+        if not row_of:
+            continue
+        with torch.inference_mode():
+            hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            # Only the hidden states that predict a target go through the
+            # vocabulary projection: the full logits would be batch x width x vocab.
+            picked = hidden[torch.tensor(row_of, device=device), torch.tensor(pos_of, device=device)]
+            targets = torch.tensor(target_of, device=device)
+            nll = torch.cat([
+                torch.nn.functional.cross_entropy(head(picked[k : k + LM_HEAD_CHUNK]).float(), targets[k : k + LM_HEAD_CHUNK], reduction="none")
+                for k in range(0, len(targets), LM_HEAD_CHUNK)
+            ])
+        for i, value in zip(doc_of, nll.double().cpu().tolist()):
+            sums[i] += value
+            counts[i] += 1
+        if progress:
+            progress(len(rows))
+    return [
+        {
+            "doc_id": doc.doc_id,
+            "kind": doc.kind,
+            "tokens": counts[i],
+            "nll_sum": sums[i],
+            "mean_nll": sums[i] / counts[i] if counts[i] else None,
+        }
+        for i, doc in enumerate(documents)
+    ]
+
+
+# --- one model, end to end -------------------------------------------------------
+@dataclass(frozen=True)
+class Scored:
+    cases: list[dict[str, Any]]
+    retention: list[dict[str, Any]]
+    metrics: dict[str, float]
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int) -> Iterator[Progress]:
+    """A rich progress bar on a terminal; elsewhere (a log file, a pipe) a line per step."""
+    if not sys.stderr.isatty():
+        done = 0
+
+        def line(n: int) -> None:
+            nonlocal done
+            done += n
+            print(f"{description} {done}/{total}", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
+
+    with Bar(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def summarize(cases: Sequence[dict[str, Any]], retention: Sequence[dict[str, Any]], families: Sequence[str]) -> dict[str, float]:
+    """Accuracy overall and per family; mean retention NLL, document-weighted
+    like the retention screen."""
+    metrics = {schema.M_ACCURACY: sum(c["correct"] for c in cases) / len(cases)}
+    for fam in families:
+        mine = [c for c in cases if c["family"] == fam]
+        if mine:
+            metrics[schema.M_ACCURACY_PREFIX + fam] = sum(c["correct"] for c in mine) / len(mine)
+    scored = [r["mean_nll"] for r in retention if r["tokens"]]
+    if scored:
+        metrics[schema.M_RETENTION_NLL] = sum(scored) / len(scored)
+    return metrics
+
+
+def score_model(
+    model: Any,
+    tokenizer: Any,
+    test: Sequence[dict[str, Any]],
+    retention: Sequence[Any],
+    settings: EvaluateConfig,
+    label: str,
+) -> Scored:
+    """The test table, the retention table and the metrics of one model."""
+    import torch
+
+    if not test:
+        raise UserError("the final test set is empty; nothing to score")
+    prompts = [chat.prompt_ids(tokenizer, case["messages"]) for case in test]
+    start = time.perf_counter()
+    with progress_bar(f"{label}: final test", len(test)) as advance:
+        generated = generate(
+            model, prompts, max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
+            stop=stop_ids(tokenizer), pad_id=padding_id(tokenizer), progress=advance,
+        )
+    seconds = time.perf_counter() - start
+    cases = []
+    for case, gen in zip(test, generated):
+        row = score_case(case, tokenizer.decode(gen.tokens, skip_special_tokens=True))
+        cases.append(row | {"finished": gen.finished})
+    with progress_bar(f"{label}: retention", len(retention)) as advance:
+        nll = retention_nll(model, retention, batch_size=settings.batch_size, progress=advance)
+    families = list(dict.fromkeys(c["family"] for c in test))
+    metrics = summarize(cases, nll, families) | {
+        schema.M_TEST_CASES: len(cases),
+        schema.M_GENERATE_SECONDS: seconds,
+        schema.M_GENERATE_ITEMS_PER_SECOND: len(cases) / seconds if seconds > 0 else math.nan,
+        schema.M_EVAL_THREADS: torch.get_num_threads(),
+    }
+    return Scored(cases, nll, metrics)

@@ -1,1 +1,0 @@
-"""One module per step of the study; see coopstudy.cli."""

@@ -1,0 +1,108 @@
+"""`evaluate`: score the seed and both final candidates on the final test and
+the retention probes, each model in its own child run."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+from coopstudy import scoring
+from coopstudy.commit import ledger, require
+from coopstudy.config import Config
+from coopstudy.errors import UserError
+from coopstudy.inputs.seed import resolve_seed
+from coopstudy.record import schema, writer
+
+HELP = "score seed, control and compressed on the final test and the retention probes"
+DESCRIPTION = """\
+Reads: the committed plan of this config (refused if anything it hashes
+changed), its selection (ledger entries of kind candidate), the candidates'
+checkpoints, the seed model and the prepared test and retention files.
+Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
+selected and their weights still hash to the selection; also on a checkpoint
+that cannot be loaded, a tokenizer that differs from the seed's, or an empty
+test set.
+Writes: an evaluate run tagged with the plan and the candidates it checked,
+and under it one child run per model (tag coopstudy.model = seed, control or compressed)
+with the same metrics (eval/accuracy, eval/accuracy/<family>,
+eval/retention_nll, generation speed) and two tables: test_cases.json (one
+row per case: prompt, output, extracted answer, expected, verifier score,
+correct = score 1.0) and retention.json (one row per document: target tokens,
+NLL sum, mean NLL).
+Generation is greedy with the chat template, batched (evaluate.batch_size),
+up to evaluate.max_new_tokens, stopped at the end of turn."""
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    results: dict[str, dict[str, float]] = {}
+    with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
+        plan_sha = require.committed_plan(cfg)
+        plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
+        rec.set_tags(plan_tags)
+        selection = require.selection(cfg, plan_sha, ledger.Ledger())
+        rec.set_tags(
+            {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
+            | {schema.TAG_SELECT_RUN: selection.select_run_id}
+        )
+        prepared = require.inputs(cfg)
+        if not prepared.test:
+            raise UserError(f"the final test set in {prepared.folder} is empty; nothing to score")
+        if not prepared.retention:
+            raise UserError(f"the retention probes in {prepared.folder} are empty; nothing to score")
+        seed = resolve_seed(cfg)
+        models = {"seed": (seed.path, seed.sha256)} | {
+            arm: (c.path, c.sha256) for arm, c in selection.candidates.items()
+        }
+        # Every model is checked before any is scored: a bad candidate should
+        # not surface after the seed's minutes of generation.
+        tokenizers = {name: scoring.load_tokenizer(path, name) for name, (path, _) in models.items()}
+        for name, (path, _) in models.items():
+            scoring.check_tokenizer(tokenizers[name], tokenizers["seed"], name)
+            scoring.check_weights(path, name)
+
+        for name, (path, sha) in models.items():
+            tokenizer = tokenizers[name]
+            model = scoring.load_model(path, name, tokenizer)
+            with writer.stage_run(
+                schema.STAGE_EVALUATE,
+                cfg,
+                run_name=f"evaluate-{name}-{cfg.preset}",
+                tags=plan_tags | {schema.TAG_MODEL: name, schema.TAG_CHECKPOINT_SHA: sha},
+            ) as child:
+                scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
+                child.log_metrics(scored.metrics)
+                child.log_table(scored.cases, schema.ART_TEST_TABLE)
+                child.log_table(scored.retention, schema.ART_RETENTION_TABLE)
+            results[name] = scored.metrics
+            m = scored.metrics
+            print(
+                f"{name:<10} accuracy {m[schema.M_ACCURACY]:.3f}  retention NLL {m.get(schema.M_RETENTION_NLL, float('nan')):.4f}  "
+                f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f} cases/s  (run {child.run_id})",
+                flush=True,
+            )
+            del model
+            gc.collect()
+    _print_table(cfg, results, rec.run_id)
+    return 0
+
+
+def _print_table(cfg: Config, results: dict[str, dict[str, float]], run_id: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"evaluate {cfg.preset} (run {run_id})")
+    families = list(cfg.data.families)
+    for header in ("model", "accuracy", *families, "retention NLL", "cases/s", "threads"):
+        table.add_column(header, justify="left" if header == "model" else "right")
+    for name, m in results.items():
+        table.add_row(
+            name,
+            f"{m[schema.M_ACCURACY]:.3f}",
+            *(f"{m[schema.M_ACCURACY_PREFIX + f]:.3f}" if schema.M_ACCURACY_PREFIX + f in m else "-" for f in families),
+            f"{m[schema.M_RETENTION_NLL]:.4f}" if schema.M_RETENTION_NLL in m else "-",
+            f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f}",
+            f"{int(m[schema.M_EVAL_THREADS])}",
+        )
+    # Off a terminal rich assumes 80 columns, which would truncate the families' columns.
+    Console(width=None if sys.stdout.isatty() else 160).print(table)

@@ -1,0 +1,113 @@
+"""`prepare`: resolve the seed model, generate and hash the study's inputs, commit them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+from coopstudy import workspace
+from coopstudy.commit import ledger
+from coopstudy.config import Config
+from coopstudy.inputs import data
+from coopstudy.inputs.seed import resolve_seed
+from coopstudy.record import schema, writer
+
+HELP = "resolve the seed model; generate, tokenize, schedule and hash the inputs; commit them"
+DESCRIPTION = """\
+Resolves the seed model (model.*), then writes the study's inputs to
+<home>/prepared/<content hash>/:
+  train.jsonl      tasks from data.families and replay conversations, tokenized
+                   with per-token weights (task answers data.answer_weight,
+                   replay assistant turns data.replay_weight, prompts 0)
+  retention.jsonl  retention probes (disjoint from replay)
+  test.jsonl       the final test (no question shared with training)
+  schedule.json    the documents of every update's global batch, the same for both arms
+  manifest.json    sha256 of every file, counts, token statistics, truncation
+Commits the manifest's sha256 to the ledger (kind `inputs`) and records an
+MLflow run: the config, the files as dataset inputs, the manifest, timings and
+the seed's sha256. Running it again with the same settings reproduces the same
+hashes and reuses the folder."""
+
+T = TypeVar("T")
+
+
+def _track(items: Sequence[T], description: str) -> Iterable[T]:
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import track
+
+        return track(items, description=description, console=Console(stderr=True), transient=True)
+    print(f"{description} ({len(items)})", file=sys.stderr, flush=True)
+    return items
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    book = ledger.Ledger()
+    with writer.stage_run(schema.STAGE_PREPARE, cfg) as rec:
+        # A ledger whose chain does not verify is refused before any work.
+        book.entries()
+
+        seed_at = time.perf_counter()
+        seed = resolve_seed(cfg)
+        seed_seconds = time.perf_counter() - seed_at
+        rec.set_tags({schema.TAG_SEED_SHA: seed.sha256})
+        rec.log_params({schema.PARAM_SEED_PARAMETERS: seed.parameters})
+        print(f"seed model ({cfg.model.source}): {seed.path}\n  {seed.parameters:,} parameters, weights sha256 {seed.sha256}", flush=True)
+
+        from transformers import AutoTokenizer
+
+        built_at = time.perf_counter()
+        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, _track)
+        folder, status = data.write_prepared(built)
+        build_seconds = time.perf_counter() - built_at
+        digest = built.digest
+
+        key = data.inputs_key(cfg)
+        previous = book.latest(ledger.INPUTS, key)
+        if previous is not None and previous.digest == digest:
+            commitment = f"already committed (ledger entry {previous.seq})"
+        else:
+            entry = book.append(
+                ledger.INPUTS, key, digest, {"folder": str(folder.relative_to(workspace.home())), "preset": cfg.preset}
+            )
+            commitment = f"committed (ledger entry {entry.seq})"
+            if previous is not None:
+                commitment += f"; replaces entry {previous.seq} ({previous.digest[:12]}), the inputs of these settings changed"
+        rec.record_commitment(ledger.INPUTS, digest)
+        rec.set_tags({schema.TAG_INPUTS: digest, schema.TAG_INPUTS_KEY: key})
+
+        m = built.manifest
+        files = m["files"]
+        rec.log_inputs({n: (files[n]["sha256"], str(folder / n)) for n in (data.TRAIN, data.SCHEDULE)}, context="training")
+        rec.log_inputs({n: (files[n]["sha256"], str(folder / n)) for n in (data.TEST, data.RETENTION)}, context="evaluation")
+        rec.log_artifact(folder / data.MANIFEST)
+        rec.log_metrics(
+            {
+                schema.M_SEED_PARAMETERS: seed.parameters,
+                schema.M_PREPARE_TRUNCATED: m["truncation"]["documents"],
+                schema.M_PREPARE_TRUNCATED_TOKENS: m["truncation"]["tokens"],
+                schema.M_PREPARE_TEST_DROPPED: m["test_dropped"],
+                schema.M_PREPARE_TRAIN_TOKENS: m["tokens"]["task"]["tokens"] + m["tokens"]["replay"]["tokens"],
+                schema.M_PREPARE_SEED_SECONDS: seed_seconds,
+                schema.M_PREPARE_BUILD_SECONDS: build_seconds,
+                schema.M_PREPARE_SECONDS: time.perf_counter() - started,
+            }
+        )
+
+    counts, trunc = m["counts"], m["truncation"]
+    print(
+        f"inputs sha256 {digest}: {status} {folder}\n"
+        f"  train: {counts['train']} documents ({counts['tasks']} tasks, {cfg.data.tasks_per_family} per family of "
+        f"{', '.join(cfg.data.families)}; {counts['replay']} replay), {cfg.train.updates} updates x {cfg.train.global_batch}\n"
+        f"  test: {counts['test']} cases ({m['test_dropped']} generated questions dropped: already in training or repeated)\n"
+        f"  retention: {counts['retention']} probes; conversations from {m['conversations']['source']}\n"
+        f"  truncated to {trunc['max_context']} tokens: {trunc['documents']} documents, {trunc['tokens']} tokens\n"
+        f"  ledger: {commitment}\n"
+        f"  mlflow run {rec.run_id}, {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+    return 0

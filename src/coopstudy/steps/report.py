@@ -1,0 +1,122 @@
+"""`report`: the pre-registered screens, computed from the tracked runs alone."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coopstudy import workspace
+from coopstudy.config import Config
+from coopstudy.record import schema, store, writer
+
+if TYPE_CHECKING:
+    from analysis.screens import Screen
+
+HELP = "compute the pre-registered screens from the tracked runs and write the report"
+DESCRIPTION = """\
+Reads, from the tracking store only, the runs of one study (tagged with
+--plan SHA, else with this config's sha): the newest FINISHED select run (the
+candidates' hashes), the train runs whose weights it selected (per-update and
+per-run metrics) and the newest FINISHED evaluate run of seed, control and
+compressed (test-case and retention tables).
+Refuses, naming what is missing, when a role has no such run.
+
+Computes the five screens (accuracy gain, retention, non-inferiority, active and
+complete-process speedup) and the cost figures beside them.
+
+Writes report.json (every screen's estimate, bound, threshold, verdict and input
+run ids; the quality and speed verdicts; no timestamps, so rebuilding it from the
+same store gives the same file), report.md and report.html (with plots) to --out
+(default: <home>/reports/<plan|config>-<sha>/) and to this step's run, with the
+verdicts as tags and the screens as metrics; prints the screens."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha (default: this config's runs)")
+    parser.add_argument("--out", metavar="DIR", type=Path, help="folder for the report files (default: <home>/reports/<study>/)")
+
+
+def _make_analysis_importable() -> None:
+    # analysis/ sits beside src/ and is not installed with the package: run
+    # from the project root it is found already, from anywhere else through
+    # the root, which this editable package knows.
+    if importlib.util.find_spec("analysis") is None:
+        sys.path.append(str(store.PROJECT_ROOT))
+
+
+def _key_metrics(screens: list[Screen]) -> dict[str, float]:
+    metrics = {}
+    for s in screens:
+        prefix = f"{schema.M_SCREEN_PREFIX}{s.name}/"
+        metrics[prefix + "estimate"] = s.estimate
+        metrics[prefix + "passed"] = float(s.passed)
+        if s.bound is not None:
+            metrics[prefix + "bound"] = s.bound
+    return metrics
+
+
+def _print(report: dict[str, Any], folder: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from analysis import report as rep
+
+    console = Console()
+    headers, rows = rep.screen_rows(report)
+    table = Table(title="Pre-registered screens")
+    for h in headers:
+        table.add_column(h, overflow="fold")
+    for row in rows:
+        style = "green" if row[-1] == "PASS" else "red"
+        table.add_row(*row[:-1], f"[{style}]{row[-1]}[/]")
+    console.print(table)
+    headers, rows = rep.resource_rows(report)
+    beside = Table(title="Beside the screens")
+    for h in headers:
+        beside.add_column(h)
+    for row in rows:
+        beside.add_row(*row)
+    console.print(beside)
+    v = report["verdicts"]
+    console.print(f"quality: [bold]{v['quality'].upper()}[/]  speed: [bold]{v['speed'].upper()}[/]")
+    console.print(f"report written to {folder}", soft_wrap=True)
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    _make_analysis_importable()
+    from analysis import records as records_mod
+    from analysis import report as rep
+    from analysis import screens as sc
+
+    # The terminal shows the screens; download progress bars would bury them.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    plan = getattr(args, "plan", None)
+    out = getattr(args, "out", None)
+    # The run opens first so that a refusal stays on record as a FAILED report run.
+    with writer.stage_run(schema.STAGE_REPORT, cfg) as rec:
+        records = records_mod.load(cfg, plan)
+        if records.plan:
+            rec.set_tags({schema.TAG_PLAN: records.plan})
+        screens = sc.compute(records.cases, records.retention, records.train, cfg.screens)
+        report = rep.build(records, screens, cfg)
+        folder = Path(out) if out else workspace.home() / "reports" / records.key.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {
+            schema.ART_REPORT_JSON: rep.dumps(report),
+            schema.ART_REPORT_MD: rep.to_markdown(report),
+            schema.ART_REPORT_HTML: rep.to_html(report, rep.figures(records, report)),
+        }
+        for name, text in files.items():
+            (folder / name).write_text(text)
+            rec.log_artifact(folder / name)
+        rec.log_metrics(_key_metrics(screens))
+        rec.set_tags(
+            {schema.TAG_VERDICT_PREFIX + group: verdict for group, verdict in report["verdicts"].items()}
+            | {schema.TAG_VERDICT_PREFIX + s.name: s.verdict for s in screens}
+        )
+    _print(report, folder)
+    return 0

@@ -1,0 +1,40 @@
+"""`select`: commit the two predetermined final candidates, by hash, once."""
+
+from __future__ import annotations
+
+import argparse
+
+from coopstudy.commit import candidates, ledger, require
+from coopstudy.config import Config
+from coopstudy.record import schema, writer
+
+HELP = "commit each arm's final checkpoint as its final candidate (by sha256), once per plan"
+DESCRIPTION = """\
+Reads: the committed plan of this config (refused if anything it hashes
+changed), the newest FINISHED train run of each arm (control, compressed)
+under that plan (tags coopstudy.stage=train, coopstudy.arm,
+coopstudy.plan_sha256), the checkpoint sha256 and local path it recorded, and
+the weights on disk.
+Writes: two ledger entries (kind candidate, subject <plan sha>/<arm>, the
+weights' sha256) and a select run tagged with the plan,
+coopstudy.candidate.<arm> (each hash) and coopstudy.candidate_run.<arm> (each
+train run id).
+Refuses (exit 2, a FAILED select run on record) when an arm has no finished
+train run, when the weights on disk no longer hash to what training recorded,
+or when this plan's candidates were already selected: the selection is made
+once, and the refusal names the first one (its time and select run)."""
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    with writer.stage_run(schema.STAGE_SELECT, cfg) as rec:
+        plan_sha = require.committed_plan(cfg)
+        rec.set_tags({schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha})
+        chosen = candidates.select_final(cfg, plan_sha, rec.run_id, ledger.Ledger())
+        rec.set_tags(
+            {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in chosen.items()}
+            | {schema.TAG_CANDIDATE_RUN_PREFIX + arm: c.train_run_id for arm, c in chosen.items()}
+        )
+    print(f"final candidates of plan {plan_sha[:12]} ({cfg.preset}), select run {rec.run_id}:")
+    for arm, c in chosen.items():
+        print(f"  {arm:<10} sha256 {c.sha256}  train run {c.train_run_id}\n             {c.path}")
+    return 0

@@ -1,0 +1,89 @@
+"""verify: the CPU equivalence gate before training."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from coopstudy.commit import ledger as ledger_mod
+from coopstudy.commit import sources
+from coopstudy.config import Config
+from coopstudy.record import schema, writer
+
+# coopstudy.numerics.gate (torch, transformers) is imported when the step runs, so
+# `--help` stays fast; tests/test_gate.py keeps this text in step with it.
+HELP = "equivalence gate: the batched two-rank DDP update must match the per-document reference"
+DESCRIPTION = f"""\
+Runs the equivalence gate on CPU: two gloo ranks run the training update
+(length-sorted padded microbatches, global normalization, no_sync
+accumulation, DDP all-reduce, AdamW) and one process runs the per-document
+reference from the same start, in float64. After one and after two updates,
+every parameter, both AdamW moments, the loss and the gradient norm must agree
+within a relative error of 1e-09. Cases: unequal-lengths, weights-on-one-rank,
+reversed-assignment, prompt-and-padding-masks, partial-final-microbatch,
+clipped-gradient.
+
+Reads:  the numerical sources ({", ".join(sources.numerical_sources())}):
+        every module of coopstudy/numerics/; the preset's optimizer settings
+        (train.lr, adam_*, weight_decay, warmup_updates, grad_clip).
+Writes: on success, a `{ledger_mod.GATE}` entry (subject {sources.GATE_SUBJECT!r}) in the
+        ledger, which `train` requires; an MLflow run (stage {schema.STAGE_VERIFY!r}) with
+        {schema.ART_GATE_RECEIPT}, metric {schema.M_GATE_MAX_REL_ERROR} and tag {schema.TAG_GATE}.
+        A failed gate leaves a FAILED run with its receipt and appends nothing.
+"""
+
+
+def _table(summary: list[dict[str, Any]], tolerance: float):
+    from rich.table import Table
+
+    table = Table(title=f"equivalence gate (float64, 2 gloo ranks, tolerance {tolerance:g})")
+    for col in ("case", "update", "param", "exp_avg", "exp_avg_sq", "loss", "grad_norm", "result"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for row in summary:
+        table.add_row(
+            row["case"],
+            str(row["update"]),
+            *(f"{row[k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq", "loss", "grad_norm")),
+            "[green]pass[/green]" if row["passed"] else "[red]FAIL[/red]",
+        )
+    return table
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from coopstudy.commit import receipts, sources
+    from coopstudy.numerics import gate
+
+    # Wide enough for the table when output goes to a file or a pipe (80 columns by default).
+    console = Console(width=max(Console().width, 110))
+    with writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
+        result = gate.run_gate(cfg)
+        receipt = receipts.gate_receipt(result, cfg)
+        digest = receipts.gate_receipt_digest(receipt)
+        rec.log_dict(receipt, schema.ART_GATE_RECEIPT)
+        rec.log_metrics({schema.M_GATE_MAX_REL_ERROR: result.max_rel_error})
+        console.print(_table(gate.case_summary(result.rows), gate.TOLERANCE))
+        if not result.passed:
+            shown = "; ".join(result.failures[:3])
+            more = f" (and {len(result.failures) - 3} more)" if len(result.failures) > 3 else ""
+            raise gate.GateFailed(f"equivalence gate failed: {shown}{more}")
+        entry = ledger_mod.Ledger().append(
+            ledger_mod.GATE,
+            sources.GATE_SUBJECT,
+            digest,
+            {
+                "sources_sha256": receipt["sources_sha256"],
+                "sources": receipt["sources"],
+                "libraries": receipt["libraries"],
+                "max_rel_error": receipt["max_rel_error"],
+                "run_id": rec.run_id,
+            },
+        )
+        rec.set_tags({schema.TAG_GATE: digest})
+        rec.record_commitment(ledger_mod.GATE, digest)
+    console.print(
+        f"gate passed: max relative error {result.max_rel_error:.2e} over {len(result.rows)} comparisons "
+        f"in {result.seconds:.1f} s; receipt {digest[:12]} (ledger entry {entry.seq}, sources {receipt['sources_sha256'][:12]})"
+    )
+    return 0

@@ -1,0 +1,181 @@
+"""The whole study as one command, each step its own tracked run: the one
+module that composes the steps (they never import each other).
+
+A step is reused when a FINISHED run with the same step key exists and what
+it left behind still verifies; the key hashes the resolved config, the step's
+own source files and the keys of the steps it depends on, so changed code or
+a rerun upstream step reruns it and everything after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from coopstudy import workspace
+from coopstudy.commit import require, sources
+from coopstudy.config import Config
+from coopstudy.errors import UserError
+from coopstudy.record import schema, store, writer
+from coopstudy.steps import evaluate, plan, prepare, probe, report, select, train, verify
+
+HELP = "run every step of the study in order, reusing unchanged finished steps"
+DESCRIPTION = """\
+Runs prepare -> verify -> probe -> plan -> train control -> train compressed -> select
+-> evaluate -> report, each as its own MLflow run under one parent study run.
+A finished step whose config, sources and upstream steps are unchanged is
+reused (its run id is shown); otherwise it runs again.
+
+Reads: the preset. Writes: every step's runs and artifacts; ends by printing
+the report."""
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    stage: str
+    after: tuple[str, ...] = ()
+    argv: tuple[str, ...] = ()
+    still_valid: Callable[[Config, Any], None] | None = field(default=None, compare=False)
+    """Raises a UserError when what the step's run left behind no longer verifies."""
+
+
+def _prepared_ok(cfg: Config, run: Any) -> None:
+    require.inputs(cfg)
+
+
+def _gate_ok(cfg: Config, run: Any) -> None:
+    require.gate_receipt()
+
+
+def _probes_ok(cfg: Config, run: Any) -> None:
+    require.probe_receipts_complete(cfg)
+
+
+def _plan_ok(cfg: Config, run: Any) -> None:
+    require.committed_plan(cfg)
+
+
+def _checkpoint_ok(cfg: Config, run: Any) -> None:
+    folder = run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
+    weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
+    if not weights.is_file() or workspace.sha256_file(weights) != run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
+        raise UserError(f"the checkpoint of run {run.info.run_id} is missing or changed")
+
+
+STEPS: tuple[Step, ...] = (
+    Step("prepare", "prepare", still_valid=_prepared_ok),
+    Step("verify", "verify", still_valid=_gate_ok),
+    Step("probe", "probe", ("prepare", "verify"), still_valid=_probes_ok),
+    Step("plan", "plan", ("prepare", "verify", "probe"), still_valid=_plan_ok),
+    Step("train-control", "train", ("plan",), ("--arm", "control"), _checkpoint_ok),
+    Step("train-compressed", "train", ("plan",), ("--arm", "compressed"), _checkpoint_ok),
+    Step("select", "select", ("train-control", "train-compressed")),
+    Step("evaluate", "evaluate", ("select",)),
+    Step("report", "report", ("evaluate",)),
+)
+STEP_NAMES = tuple(s.name for s in STEPS)
+MODULES: dict[str, ModuleType] = {
+    "prepare": prepare, "verify": verify, "probe": probe, "plan": plan, "train": train,
+    "select": select, "evaluate": evaluate, "report": report,
+}  # fmt: skip
+WORKER = "coopstudy.run.worker"
+"""Started by command, not imported: the training steps' sources include it by name."""
+
+
+def step_sources(step: Step) -> list[str]:
+    """The files whose change reruns the step: its module and everything it
+    imports (for training, the worker it starts too), derived, not listed."""
+    roots = [MODULES[step.stage].__name__]
+    if step.stage in ("probe", "train"):
+        roots.append(WORKER)
+    return sources.closure(*roots)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--through",
+        choices=(*STEP_NAMES, "train"),
+        default=STEP_NAMES[-1],
+        help="stop after this step; `train` means the train steps of --arm (default: the whole study)",
+    )
+    parser.add_argument(
+        "--arm",
+        choices=("control", "compressed", "both"),
+        default="both",
+        help="which training arms to run when stopping at a train step (default: both)",
+    )
+
+
+def sources_digest(step: Step) -> dict[str, str]:
+    return {rel: workspace.sha256_file(workspace.PROJECT_ROOT / rel) for rel in step_sources(step)}
+
+
+def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
+    body = {
+        "step": step.name,
+        "argv": step.argv,
+        "config": store.config_sha256(cfg),
+        "sources": sources_digest(step),
+        "after": {name: upstream[name] for name in step.after},
+    }
+    return workspace.sha256_bytes(json.dumps(body, sort_keys=True).encode())
+
+
+def _reusable_run(step: Step, cfg: Config, key: str) -> str | None:
+    runs = store.search_runs(
+        cfg.experiment,
+        f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'",
+    )
+    if not runs:
+        return None
+    if step.still_valid is not None:
+        try:
+            step.still_valid(cfg, runs[0])
+        except UserError:
+            return None
+    return runs[0].info.run_id
+
+
+def selected_steps(through: str, arm: str) -> list[Step]:
+    """The steps up to `through`; stopping at training runs only --arm's arms."""
+    if through != "train":
+        return list(STEPS[: STEP_NAMES.index(through) + 1])
+    chosen = STEPS[: STEP_NAMES.index("train-compressed") + 1]
+    return [s for s in chosen if arm == "both" or not s.name.startswith("train-") or s.name == f"train-{arm}"]
+
+
+def _step_args(cfg: Config, step: Step) -> argparse.Namespace:
+    """The arguments the step would get from `coopstudy STEP --preset P ARGV`,
+    from the step's own declaration of them."""
+    module = MODULES[step.stage]
+    parser = argparse.ArgumentParser(prog=f"coopstudy {step.stage}")
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(parser)
+    return parser.parse_args(list(step.argv))
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    steps = selected_steps(args.through, args.arm)
+    keys: dict[str, str] = {}
+    t0 = time.perf_counter()
+    name = f"train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
+    with writer.stage_run(schema.STAGE_STUDY, cfg, run_name=name) as rec:
+        for step in steps:
+            key = step_key(step, cfg, keys)
+            keys[step.name] = key
+            reused = _reusable_run(step, cfg, key)
+            if reused:
+                print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged)", flush=True)
+                continue
+            print(f"study: {step.name}: running", flush=True)
+            with writer.tags_for_next_run({schema.TAG_STEP_KEY: key}):
+                MODULES[step.stage].run(cfg, _step_args(cfg, step))
+        rec.log_metrics({schema.M_STUDY_SECONDS: time.perf_counter() - t0})
+        rec.log_dict(keys, schema.ART_STEP_KEYS)
+    return 0
