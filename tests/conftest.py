@@ -3,18 +3,14 @@ never see each other's runs or the user's record."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fixtures import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# Session fixtures that prepare the tiny study's inputs once.
-pytest_plugins = ["fixtures_prepare"]
+# Every shared fixture and helper lives in fixtures.py.
+pytest_plugins = ["fixtures"]
 
 
 @pytest.fixture(scope="session")
@@ -41,18 +37,6 @@ def isolated_store(tmp_path_factory, monkeypatch, _migrated_db):
     monkeypatch.setenv("COOPSTUDY_HOME", str(base / "home"))
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     return base
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m coopstudy ARGS` as a user runs it, in the test's store."""
-    return subprocess.run(
-        [sys.executable, "-m", "coopstudy", *args],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from coopstudy import config
 from coopstudy.errors import ConfigError, UserError
-from coopstudy.numerics import batching, distributed, objective, update
+from coopstudy.numerics import distributed, objective, update
 from coopstudy.numerics.gate import GateDoc
 
 DENSE_UPDATES = 2
@@ -42,7 +42,8 @@ def _documents():
 
 
 def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
-    lm = update.cast_for_training(_model(), "bf16")
+    precision = objective.Precision.of("bf16")
+    lm = precision.cast(_model())
     net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx)
     optimizer = update.build_optimizer(lm.parameters(), cfg.train)
     scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
@@ -52,9 +53,7 @@ def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
         measured.clear()
         # Local batch 4 in microbatches of 2: every update accumulates over
         # two backward passes, only the second of which synchronizes.
-        plan = batching.plan_update(docs, list(range(8)), ctx.rank, ctx.world_size, 2)
-        mbs = [batching.collate([docs[i] for i in mb]) for mb in plan.microbatches]
-        result = update.run_update(net, optimizer, scheduler, mbs, plan.total_weight, ctx, precision="bf16", counter=counter)
+        result = update.worker_update(net, optimizer, scheduler, docs, range(8), ctx, microbatch=2, precision=precision, counter=counter)
         rows.append(
             {
                 "phase": result.comm.phase,
@@ -77,7 +76,7 @@ def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
         "param_sum": float(sum(p.double().sum() for p in lm.parameters())),
         "grad_dtypes": sorted({str(p.grad.dtype) for p in lm.parameters()}),
         "shapes": {n: list(p.shape) for n, p in lm.named_parameters()},
-        "sum": distributed.all_reduce_sum(float(ctx.rank + 1)),
+        "sum": distributed.all_reduce_sums([float(ctx.rank + 1)])[0],
     }
 
 

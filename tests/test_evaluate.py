@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import torch
-from test_select import PLAN, fake_train_run, planned  # noqa: F401 - fixture
+from fixtures import PLAN, fake_train_run
 
 from coopstudy import cli, config, scoring, workspace
 from coopstudy.commit import require
@@ -300,7 +300,7 @@ def test_evaluate_refuses_an_empty_test_set(planned, monkeypatch, capsys, tmp_pa
 
     # An empty prepared test cannot come out of prepare (the config forbids
     # it), so the step is given one.
-    monkeypatch.setattr(candidates, "verified_selection", lambda cfg, plan_sha, ledger: candidates.Selection({}, "run0"))
+    monkeypatch.setattr(require, "selection", lambda cfg, plan_sha, book: candidates.Selection({}, "run0"))
     empty = data.Prepared(folder=tmp_path, digest="0" * 64, train=[], retention=[], test=[], schedule=[], manifest={})
     monkeypatch.setattr(require, "inputs", lambda cfg: empty)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2

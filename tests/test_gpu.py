@@ -5,12 +5,11 @@ two ranks on one device)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import mlflow
 import pytest
 import torch
-from conftest import run_cli
+from fixtures import module_store, run_cli
 
 from coopstudy.record import schema, store
 
@@ -19,17 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module", autouse=True)
 def isolated_store(tmp_path_factory, prepared_tiny_store):
-    base = tmp_path_factory.mktemp("gpu-store")
-    shutil.copytree(prepared_tiny_store.home, base / "home")
-    shutil.copy(prepared_tiny_store.db, base / "mlflow.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
-        mp.setenv("COOPSTUDY_HOME", str(base / "home"))
-        mp.delenv("MLFLOW_RUN_ID", raising=False)
+    with module_store(tmp_path_factory, prepared_tiny_store, "gpu-store") as shared, pytest.MonkeyPatch.context() as mp:
         mp.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
         done = run_cli("verify", "--preset", "tiny")
         assert done.returncode == 0, done.stderr[-3000:]
-        yield base
+        yield shared
 
 
 def _train(arm: str, tmp_path) -> tuple[mlflow.entities.Run, dict]:

@@ -34,10 +34,12 @@ def documents(n: int = 8, seed: int = 0) -> list[Doc]:
     return docs
 
 
-def batched(docs, microbatch: int, precision: str = "fp64") -> tuple[list[batching.Microbatch], float]:
-    plan = batching.plan_update(docs, list(range(len(docs))), 0, 1, microbatch)
-    dtype = objective.param_dtype(precision)
-    return [batching.collate([docs[i] for i in mb], weight_dtype=dtype) for mb in plan.microbatches], plan.total_weight
+FP64, FP32, BF16 = (objective.Precision.of(name) for name in ("fp64", "fp32", "bf16"))
+
+
+def step(net, opt, sched, docs, microbatch: int, precision=FP64, **kw) -> update.UpdateResult:
+    """One update of the one worker on every document."""
+    return update.worker_update(net, opt, sched, docs, range(len(docs)), ONE, microbatch=microbatch, precision=precision, **kw)
 
 
 def trainer(lm, cfg):
@@ -62,9 +64,9 @@ def test_batched_update_matches_the_per_document_reference(cfg, grad_clip):
     ref_opt, ref_sched = trainer(ref, cfg)
     net = objective.WeightedNLL(lm)
     for _ in range(2):
-        mbs, total = batched(docs, 3)
-        got = update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64", grad_clip=grad_clip)
-        want = update.reference_update(ref, ref_opt, ref_sched, docs, total, precision="fp64", grad_clip=grad_clip)
+        got = step(net, opt, sched, docs, 3, grad_clip=grad_clip)
+        total = batching.total_weight(docs, range(len(docs)))
+        want = update.reference_update(ref, ref_opt, ref_sched, docs, total, precision=FP64, grad_clip=grad_clip)
         assert got.loss == pytest.approx(want.loss, rel=1e-12)
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-12)
         assert got.lr == want.lr
@@ -78,9 +80,8 @@ def test_loss_and_gradient_do_not_depend_on_the_microbatch_size(cfg):
     for microbatch in (1, 3, 8):
         lm = gate_model(0)
         net = objective.WeightedNLL(lm)
-        mbs, total = batched(docs, microbatch)
         opt, sched = trainer(lm, cfg)
-        result = update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64")
+        result = step(net, opt, sched, docs, microbatch)
         results.append((result.loss, result.grad_norm, [p.grad.clone() for p in lm.parameters()]))
     (loss, norm, grads), *others = results
     for other_loss, other_norm, other_grads in others:
@@ -119,15 +120,15 @@ def test_microbatch_loss_divides_by_the_global_weight_and_scales_by_the_workers(
 
 def test_bf16_autocast_keeps_parameters_gradients_and_moments_in_fp32(cfg):
     docs = documents(seed=3)
-    lm = update.cast_for_training(gate_model(0), "bf16")
+    lm = BF16.cast(gate_model(0))
     reference = copy.deepcopy(lm)
     opt, sched = trainer(lm, cfg)
-    mbs, total = batched(docs, 4, precision="bf16")
-    result = update.run_update(objective.WeightedNLL(lm), opt, sched, mbs, total, ONE, precision="bf16")
+    result = step(objective.WeightedNLL(lm), opt, sched, docs, 4, precision=BF16)
+    total = batching.total_weight(docs, range(len(docs)))
     assert {p.dtype for p in lm.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in lm.parameters()} == {torch.float32}
     assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
-    fp32 = update.reference_update(reference, *trainer(reference, cfg), docs, total, precision="fp32")
+    fp32 = update.reference_update(reference, *trainer(reference, cfg), docs, total, precision=FP32)
     # bf16 matmuls: close to the fp32 loss, not equal to it.
     assert result.loss == pytest.approx(fp32.loss, rel=2e-2)
     assert result.loss != fp32.loss
@@ -136,12 +137,11 @@ def test_bf16_autocast_keeps_parameters_gradients_and_moments_in_fp32(cfg):
 def test_learning_rate_warms_up_linearly_then_stays_constant(cfg):
     lm = gate_model(0)
     docs = documents(2, seed=4)
-    mbs, total = batched(docs, 2)
     net = objective.WeightedNLL(lm)
     for warmup, expected in [(2, [0.5, 1, 1, 1]), (3, [1 / 3, 2 / 3, 1, 1]), (0, [1, 1, 1, 1])]:
         opt = update.build_optimizer(lm.parameters(), cfg.train)
         sched = update.build_scheduler(opt, warmup)
-        lrs = [update.run_update(net, opt, sched, mbs, total, ONE, precision="fp64").lr for _ in expected]
+        lrs = [step(net, opt, sched, docs, 2).lr for _ in expected]
         assert lrs == pytest.approx([cfg.train.lr * f for f in expected], rel=1e-12)
 
 
@@ -150,4 +150,4 @@ def test_a_global_batch_without_targets_is_refused(cfg):
     opt, sched = trainer(lm, cfg)
     mb = batching.collate([Doc((1, 2), (0.0, 0.0))], weight_dtype=torch.float64)
     with pytest.raises(ValueError, match="no weighted token"):
-        update.run_update(objective.WeightedNLL(lm), opt, sched, [mb], 0.0, ONE, precision="fp64")
+        update.run_update(objective.WeightedNLL(lm), opt, sched, [mb], 0.0, ONE, precision=FP64)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import ROOT, run_cli
-from test_probe import probed_tiny_store  # noqa: F401 - fixture
+from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, workspace
 from coopstudy.commit import budget, ledger, plan, receipts, require
@@ -29,16 +28,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
-def isolated_store(tmp_path_factory, probed_tiny_store):  # noqa: F811 - the fixture it starts from
+def isolated_store(tmp_path_factory, probed_tiny_store):
     # Overrides conftest's per-test store: this module's tests share one.
-    base = tmp_path_factory.mktemp("plan-store")
-    shutil.copytree(probed_tiny_store.home, base / "home")
-    shutil.copy(probed_tiny_store.db, base / "mlflow.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
-        mp.setenv("COOPSTUDY_HOME", str(base / "home"))
-        mp.delenv("MLFLOW_RUN_ID", raising=False)
-        yield base
+    with module_store(tmp_path_factory, probed_tiny_store, "plan-store") as shared:
+        yield shared
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def _prepare_runs(uri: str) -> list:
 
 
 def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
-    assert " written " in prepared_tiny.first_run.stdout
+    assert " written " in prepared_tiny.printed.stdout
     (run,) = _prepare_runs(prepared_tiny.tracking_uri)
     assert run.info.status == "FINISHED"
     cfg = config.load("tiny")
@@ -36,7 +36,7 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     assert (entry.kind, entry.subject) == (ledger.INPUTS, data.inputs_key(cfg))
     tags = run.data.tags
     assert tags[schema.TAG_INPUTS] == tags[schema.TAG_COMMITMENT_PREFIX + ledger.INPUTS] == entry.digest
-    assert entry.digest in prepared_tiny.first_run.stdout
+    assert entry.digest in prepared_tiny.printed.stdout
 
     client = mlflow.MlflowClient(tracking_uri=prepared_tiny.tracking_uri)
     manifest_path = client.download_artifacts(run.info.run_id, schema.ART_MANIFEST, str(tmp_path))

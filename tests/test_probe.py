@@ -3,22 +3,18 @@ parent, a receipt per candidate on disk and in the ledger, and a candidate
 that exceeds the emulated device's capacity recorded as out of memory without
 ending the sweep.
 
-`probed_tiny_store` (prepare, verify, probe on tiny, once per session) is
-also what test_plan.py and test_train.py start from.
+`probed_tiny_store` (prepare, verify, probe on tiny, once per session, in
+fixtures.py) is also what test_plan.py and test_train.py start from.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import run_cli
+from fixtures import run_cli
 
 from coopstudy import config
 from coopstudy.commit import ledger, receipts, sources
@@ -26,59 +22,12 @@ from coopstudy.record import schema, store
 
 pytestmark = pytest.mark.slow
 
-# Test modules that import the fixture each get their own session-scoped copy
-# of it; this keeps the work itself to once per session.
-_made: dict[str, object] = {}
-
 GRID = {f"{c.arm}-mb{c.microbatch}-{c.allocator}" for c in config.load("tiny").probe.candidates}
 PRESET_SETTINGS = ("control-mb4-default", "compressed-mb3-default")
 """The tiny preset's own settings, which complete; any other candidate of its grid stands for a failure."""
 ONE_CANDIDATE_FAILS = "probe.device_capacity_mb=64"
 """Below what any training process needs just to load torch: certainly out of memory."""
 TWO_CONTROL_CANDIDATES = 'probe.candidates=[{"arm":"control","microbatch":4},{"arm":"control","microbatch":2}]'
-
-
-@dataclass(frozen=True)
-class ProbedStore:
-    home: Path
-    db: Path
-    probe_run: subprocess.CompletedProcess
-    """What `probe --preset tiny` printed."""
-
-    def env(self) -> dict[str, str]:
-        return {"MLFLOW_TRACKING_URI": f"sqlite:///{self.db}", "COOPSTUDY_HOME": str(self.home)}
-
-
-@pytest.fixture(scope="session")
-def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> ProbedStore:
-    """The prepared tiny store, verified and probed with the preset's grid."""
-    if "probed" not in _made:
-        base = tmp_path_factory.mktemp("probed-tiny")
-        home, db = base / "home", base / "mlflow.db"
-        shutil.copytree(prepared_tiny_store.home, home)
-        shutil.copy(prepared_tiny_store.db, db)
-        env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "COOPSTUDY_HOME": str(home)}
-        verified = run_cli("verify", "--preset", "tiny", env=env)
-        assert verified.returncode == 0, verified.stderr[-3000:]
-        probed = run_cli("probe", "--preset", "tiny", env=env)
-        assert probed.returncode == 0, probed.stderr[-3000:]
-        _made["probed"] = ProbedStore(home, db, probed)
-    return _made["probed"]  # type: ignore[return-value]
-
-
-def copy_store(probed: ProbedStore, dst: Path, monkeypatch: pytest.MonkeyPatch) -> ProbedStore:
-    """A copy the caller may change, with the environment pointing at it."""
-    copy = ProbedStore(dst / "home", dst / "mlflow.db", probed.probe_run)
-    shutil.copytree(probed.home, copy.home)
-    shutil.copy(probed.db, copy.db)
-    for key, value in copy.env().items():
-        monkeypatch.setenv(key, value)
-    return copy
-
-
-@pytest.fixture
-def probed_tiny(probed_tiny_store, tmp_path, monkeypatch) -> ProbedStore:
-    return copy_store(probed_tiny_store, tmp_path, monkeypatch)
 
 
 def _runs(filter_string: str) -> list:
@@ -140,7 +89,7 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
 
 
 def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probed_tiny, tmp_path):
-    out = probed_tiny.probe_run.stdout
+    out = probed_tiny.printed.stdout
     assert "largest microbatch that completed, per arm and allocator" in out
     assert "control-mb4-default: completed" in out and "compressed-mb3-default: completed" in out
     parent, _ = _sweep("control-mb4-default")
@@ -238,11 +187,7 @@ def test_choose_takes_the_largest_completed_microbatch_per_arm_and_allocator():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_capacity_is_the_allocators_and_its_figures_are_kept(prepared_tiny_store, tmp_path, monkeypatch):
-    shutil.copytree(prepared_tiny_store.home, tmp_path / "home")
-    shutil.copy(prepared_tiny_store.db, tmp_path / "mlflow.db")
-    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+def test_on_cuda_the_capacity_is_the_allocators_and_its_figures_are_kept(prepared_tiny):
     assert run_cli("verify", "--preset", "tiny").returncode == 0
     grid = 'probe.candidates=[{"arm":"control","microbatch":4,"allocator":"expandable"}]'
     for capacity, outcome in ((8, "out_of_memory"), (4096, "completed")):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import ROOT
+from fixtures import ROOT
 from mlflow.entities import ViewType
 
 from coopstudy import workspace

@@ -13,46 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from fixtures import PLAN, fake_train_run, run_cli
 
 from coopstudy import cli, config, workspace
-from coopstudy.commit import candidates, ledger, require
+from coopstudy.commit import candidates, ledger
 from coopstudy.config import ARMS
-from coopstudy.errors import RefusedError, UserError
+from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store, writer
-
-PLAN = "ab" * 32
-"""The plan sha the `planned` fixture stands in for."""
-
-
-@pytest.fixture
-def planned(monkeypatch) -> str:
-    """A committed, unchanged plan (making a real one takes prepare, verify and probe)."""
-    monkeypatch.setattr(require, "committed_plan", lambda cfg: PLAN)
-    return PLAN
-
-
-def fake_train_run(
-    cfg: config.Config, arm: str, seed_dir: Path, *, plan_sha: str = PLAN, status: str = "FINISHED", corrupt: bool = False
-) -> tuple[str, Path]:
-    """A train run of `arm` under `plan_sha` whose final checkpoint is a copy
-    of `seed_dir`: (run id, checkpoint folder)."""
-    folder = workspace.subdir("checkpoints") / f"{arm}-{len(list(workspace.subdir('checkpoints').iterdir()))}"
-    shutil.copytree(seed_dir, folder)
-    if corrupt:
-        (folder / workspace.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
-    tags = {
-        schema.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / workspace.WEIGHTS_FILE),
-        schema.TAG_CHECKPOINT_PATH: str(folder),
-        schema.TAG_PLAN: plan_sha,
-    }
-    try:
-        with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
-            if status != "FINISHED":
-                raise UserError("training failed")
-    except UserError:
-        pass
-    return rec.run_id, folder
 
 
 def _tamper(folder: Path) -> None:

@@ -7,7 +7,6 @@ prerequisites train checks), then every test reads the runs it made.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -15,8 +14,7 @@ import time
 import mlflow
 import psutil
 import pytest
-from conftest import ROOT, run_cli
-from test_probe import probed_tiny_store  # noqa: F401 - fixture
+from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, workspace
 from coopstudy.errors import RefusedError
@@ -30,17 +28,11 @@ KILL_UPDATES = 30
 
 
 @pytest.fixture(scope="module", autouse=True)
-def isolated_store(tmp_path_factory, probed_tiny_store):  # noqa: F811 - the fixture it starts from
+def isolated_store(tmp_path_factory, probed_tiny_store):
     # Overrides conftest's per-test store: this module's tests share one,
     # which starts as a copy of the session's prepared, verified and probed
     # tiny store. Train requires a plan for each config it runs.
-    base = tmp_path_factory.mktemp("train-store")
-    shutil.copytree(probed_tiny_store.home, base / "home")
-    shutil.copy(probed_tiny_store.db, base / "mlflow.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
-        mp.setenv("COOPSTUDY_HOME", str(base / "home"))
-        mp.delenv("MLFLOW_RUN_ID", raising=False)
+    with module_store(tmp_path_factory, probed_tiny_store, "train-store") as shared:
         for args in (
             ("prepare", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
             ("plan", "--preset", "tiny"),
@@ -48,7 +40,7 @@ def isolated_store(tmp_path_factory, probed_tiny_store):  # noqa: F811 - the fix
         ):
             done = run_cli(*args)
             assert done.returncode == 0, done.stderr[-3000:]
-        yield base
+        yield shared
 
 
 def _client() -> mlflow.MlflowClient:

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import ROOT, run_cli
-from test_probe import probed_tiny_store  # noqa: F401 - fixture
+from fixtures import ROOT, run_cli
 
 from coopstudy import config
 from coopstudy.record import schema
@@ -122,12 +121,9 @@ class Planned:
 
 
 @pytest.fixture(scope="module")
-def planned(probed_tiny_store, tmp_path_factory) -> Planned:  # noqa: F811 - the fixture it starts from
-    base = tmp_path_factory.mktemp("two-hosts")
-    home, db = base / "home", base / "mlflow.db"
-    shutil.copytree(probed_tiny_store.home, home)
-    shutil.copy(probed_tiny_store.db, db)
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "COOPSTUDY_HOME": str(home)}
+def planned(probed_tiny_store, tmp_path_factory) -> Planned:
+    copied = probed_tiny_store.copy(tmp_path_factory.mktemp("two-hosts"))
+    home, db, env = copied.home, copied.db, copied.env()
     for step in (("plan",), ("train", "--arm", "compressed")):
         done = run_cli(*step, "--preset", "tiny", env=env)
         assert done.returncode == 0, (step, done.stderr[-3000:])

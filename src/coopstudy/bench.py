@@ -45,7 +45,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coopstudy import scoring
+from coopstudy import scoring, ui
 from coopstudy.commit import require
 from coopstudy.config import Config
 from coopstudy.errors import UserError
@@ -109,7 +109,7 @@ def _load_seed(cfg: Config) -> torch.nn.Module:
 
     hf_logging.disable_progress_bar()
     seed = resolve_seed(cfg)
-    return update.cast_for_training(AutoModelForCausalLM.from_pretrained(seed.path), cfg.train.precision)
+    return objective.Precision.of(cfg.train.precision).cast(AutoModelForCausalLM.from_pretrained(seed.path))
 
 
 def bench_objective(cfg: Config, *, updates: int, source: str, console: Console) -> dict[str, float]:
@@ -118,7 +118,7 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     docs, schedule, note = _documents(cfg, source, lm.config.vocab_size)
     if updates + 1 > len(schedule):
         raise UserError(f"--updates: {updates} timed updates need {updates + 1} schedule rows, the schedule has {len(schedule)}")
-    precision = cfg.train.precision
+    precision = objective.Precision.of(cfg.train.precision)
     microbatch = cfg.arms.control.microbatch
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
     reference = copy.deepcopy(lm)
@@ -133,14 +133,10 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     # two paths then alternate update by update, so both see the same machine.
     for k in range(updates + 1):
         row = schedule[k]
-        plan = batching.plan_update(docs, row, 0, 1, microbatch)
-        mbs = [
-            batching.collate([docs[i] for i in mb], weight_dtype=objective.param_dtype(precision))
-            for mb in plan.microbatches
-        ]
-        got = update.run_update(net, opt, sched, mbs, plan.total_weight, ctx, precision=precision, grad_clip=cfg.train.grad_clip)
+        got = update.worker_update(net, opt, sched, docs, row, ctx, microbatch=microbatch, precision=precision, grad_clip=cfg.train.grad_clip)
         want = update.reference_update(
-            reference, ref_opt, ref_sched, [docs[i] for i in row], plan.total_weight, precision=precision, grad_clip=cfg.train.grad_clip
+            reference, ref_opt, ref_sched, [docs[i] for i in row], batching.total_weight(docs, row),
+            precision=precision, grad_clip=cfg.train.grad_clip,
         )
         console.print(f"update {k + 1}{' (warm-up)' if k == 0 else ''}: batched {got.seconds:.2f} s, per-document {want.seconds:.2f} s")
         if k:
@@ -216,7 +212,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         return bench_generate(cfg, args.items)
     if args.updates < 1:
         raise UserError("--updates: at least 1")
-    bench_objective(cfg, updates=args.updates, source=args.documents, console=Console(width=max(Console().width, 110)))
+    bench_objective(cfg, updates=args.updates, source=args.documents, console=ui.console(110))
     return 0
 
 
@@ -251,7 +247,7 @@ def bench_generate(cfg: Config, items: int) -> int:
     outputs = {}
     for label, batch in (("one at a time", 1), ("batched", cfg.evaluate.batch_size)):
         start = time.perf_counter()
-        with scoring.progress_bar(label, len(test)) as advance:
+        with ui.progress(label, len(test)) as advance:
             outputs[label] = scoring.generate(model, prompts, batch_size=batch, progress=advance, **common)
         timings[label] = (batch, time.perf_counter() - start)
 

@@ -12,17 +12,16 @@ is correct only when the verifier gives it full credit (1.0).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from coopstudy import ui
 from coopstudy.config import EvaluateConfig
 from coopstudy.errors import UserError
 from coopstudy.inputs import chat, tasks
@@ -41,7 +40,6 @@ _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:,\d{3})*(?:\.\d+)?")
 _DECORATION = " \t\r\n\"'`*.$"
 
 
-Progress = Callable[[int], None]
 """Called with the number of items just finished."""
 
 
@@ -198,7 +196,7 @@ def generate(
     batch_size: int,
     stop: Sequence[int],
     pad_id: int,
-    progress: Progress | None = None,
+    progress: ui.Advance | None = None,
 ) -> list[Generated]:
     """Greedy continuations of token prompts, in the prompts' order."""
     import torch
@@ -236,7 +234,7 @@ def generate(
 
 
 # --- retention ---------------------------------------------------------------------
-def retention_nll(model: Any, documents: Sequence[Any], *, batch_size: int, progress: Progress | None = None) -> list[dict[str, Any]]:
+def retention_nll(model: Any, documents: Sequence[Any], *, batch_size: int, progress: ui.Advance | None = None) -> list[dict[str, Any]]:
     """Per document: the NLL (nats) of its target tokens (weight > 0) given the
     tokens before them, summed and averaged per token. Targets count equally,
     whatever their weight: the probe measures the assistant turns as written."""
@@ -304,31 +302,6 @@ class Scored:
     metrics: dict[str, float]
 
 
-@contextlib.contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Progress]:
-    """A rich progress bar on a terminal; elsewhere (a log file, a pipe) a line per step."""
-    if not sys.stderr.isatty():
-        done = 0
-
-        def line(n: int) -> None:
-            nonlocal done
-            done += n
-            print(f"{description} {done}/{total}", file=sys.stderr, flush=True)
-
-        yield line
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from rich.progress import Progress as Bar
-
-    with Bar(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
-    ) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
-
-
 def summarize(cases: Sequence[dict[str, Any]], retention: Sequence[dict[str, Any]], families: Sequence[str]) -> dict[str, float]:
     """Accuracy overall and per family; mean retention NLL, document-weighted
     like the retention screen."""
@@ -358,7 +331,7 @@ def score_model(
         raise UserError("the final test set is empty; nothing to score")
     prompts = [chat.prompt_ids(tokenizer, case["messages"]) for case in test]
     start = time.perf_counter()
-    with progress_bar(f"{label}: final test", len(test)) as advance:
+    with ui.progress(f"{label}: final test", len(test)) as advance:
         generated = generate(
             model, prompts, max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
             stop=stop_ids(tokenizer), pad_id=padding_id(tokenizer), progress=advance,
@@ -368,7 +341,7 @@ def score_model(
     for case, gen in zip(test, generated):
         row = score_case(case, tokenizer.decode(gen.tokens, skip_special_tokens=True))
         cases.append(row | {"finished": gen.finished})
-    with progress_bar(f"{label}: retention", len(retention)) as advance:
+    with ui.progress(f"{label}: retention", len(retention)) as advance:
         nll = retention_nll(model, retention, batch_size=settings.batch_size, progress=advance)
     families = list(dict.fromkeys(c["family"] for c in test))
     metrics = summarize(cases, nll, families) | {

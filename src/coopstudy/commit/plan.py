@@ -5,7 +5,7 @@ It holds the resolved config of both arms, the screens' thresholds and
 methods, and the hashes of everything the runs will depend on: the numerical
 sources, every prepared input, the gate receipt and every probe receipt,
 plus the probes' choice and each arm's cost and time projection.
-`require.plan(cfg)` checks that nothing it hashes has changed and returns
+`require.committed_plan(cfg)` checks that nothing it hashes has changed and returns
 its sha256, which every later run carries as schema.TAG_PLAN.
 """
 

@@ -310,7 +310,7 @@ def wrap_model(net: nn.Module, cfg: Config, ctx: DistContext, *, powersgd: bool 
             start_powerSGD_iter=cfg.powersgd.dense_updates,
             min_compression_rate=MIN_COMPRESSION_RATE,
             # Error feedback lives in the dtype of the gradient bucket. Parameters
-            # and gradients stay fp32 under bf16 autocast (objective.forward_precision),
+            # and gradients stay fp32 under bf16 autocast (objective.Precision),
             # so the error is kept in fp32, as the protocol requires.
             use_error_feedback=True,
             warm_start=cfg.powersgd.warm_start,
@@ -344,6 +344,3 @@ def all_reduce_sums(values: Sequence[float], counter: ByteCounter | None = None)
         counter.add_scalar(tensor.numel() * tensor.element_size())
     return tensor.tolist()
 
-
-def all_reduce_sum(value: float, counter: ByteCounter | None = None) -> float:
-    return all_reduce_sums([value], counter)[0]

@@ -50,6 +50,8 @@ from coopstudy.errors import UserError
 from coopstudy.numerics import batching, distributed, objective, update
 
 TOLERANCE = 1e-9
+PRECISION = "fp64"
+"""The gate's precision, whatever the preset's (see "Choices" above)."""
 WORLD_SIZE = 2
 GATE_MODEL: dict[str, Any] = {
     "vocab_size": 256,
@@ -149,12 +151,12 @@ def gate_model(seed: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm = LlamaForCausalLM(LlamaConfig(**GATE_MODEL))
-    return update.cast_for_training(lm, "fp64")
+    return objective.Precision.of(PRECISION).cast(lm)
 
 
 def gate_config(cfg: Config) -> Config:
     """The preset with what the gate fixes: float64 and gloo."""
-    raw = config_mod.apply_overrides(cfg.model_dump(mode="json"), ["train.precision=fp64", "distributed.backend=gloo"])
+    raw = config_mod.apply_overrides(cfg.model_dump(mode="json"), [f"train.precision={PRECISION}", "distributed.backend=gloo"])
     return config_mod.from_dict(raw)
 
 
@@ -175,15 +177,12 @@ def _batched_side(case: Case, cfg: Config, ctx: distributed.DistContext) -> list
     net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx, powersgd=False)
     optimizer = update.build_optimizer(lm.parameters(), cfg.train)
     scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
+    precision = objective.Precision.of(cfg.train.precision)
     snapshots = []
     for row in case.schedule:
-        plan = batching.plan_update(case.documents, row, ctx.rank, ctx.world_size, case.microbatch)
-        mbs = [
-            batching.collate([case.documents[i] for i in mb], device=ctx.device, weight_dtype=torch.float64)
-            for mb in plan.microbatches
-        ]
-        result = update.run_update(
-            net, optimizer, scheduler, mbs, plan.total_weight, ctx, precision="fp64", grad_clip=case.grad_clip, counter=counter
+        result = update.worker_update(
+            net, optimizer, scheduler, case.documents, row, ctx,
+            microbatch=case.microbatch, precision=precision, grad_clip=case.grad_clip, counter=counter,
         )
         snapshots.append(_snapshot(lm, optimizer, result))
     return snapshots
@@ -197,7 +196,9 @@ def _reference_side(case: Case, cfg: Config) -> list[dict[str, Any]]:
     for row in case.schedule:
         docs = [case.documents[i] for i in row]
         total = batching.total_weight(case.documents, row)
-        result = update.reference_update(lm, optimizer, scheduler, docs, total, precision="fp64", grad_clip=case.grad_clip)
+        result = update.reference_update(
+            lm, optimizer, scheduler, docs, total, precision=objective.Precision.of(cfg.train.precision), grad_clip=case.grad_clip
+        )
         snapshots.append(_snapshot(lm, optimizer, result))
     return snapshots
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
@@ -30,18 +31,37 @@ from torch import nn
 from coopstudy.numerics.batching import DocumentLike, Microbatch
 
 
-def param_dtype(precision: str) -> torch.dtype:
-    """Weights, gradients, optimizer state and token weights: fp32, or fp64 under precision=fp64."""
-    return torch.float64 if precision == "fp64" else torch.float32
+@dataclass(frozen=True)
+class Precision:
+    """train.precision, interpreted here and nowhere else.
 
+    bf16: fp32 weights, gradients, optimizer state and token weights, with the
+    forward (and so the backward) autocast to bf16 matmuls; PowerSGD's error
+    feedback therefore works in fp32. fp32: no autocast. fp64: everything in
+    float64, no autocast (the gate)."""
 
-def forward_precision(precision: str, device_type: str) -> ContextManager:
-    """bf16: autocast the forward (matmuls in bf16, parameters and gradients stay
-    fp32, so the optimizer and PowerSGD's error feedback work in fp32).
-    fp32/fp64: the parameters' own dtype, no autocast."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    name: str
+
+    @classmethod
+    def of(cls, name: str) -> "Precision":
+        if name not in ("bf16", "fp32", "fp64"):
+            raise ValueError(f"precision {name!r}: one of bf16, fp32, fp64")
+        return cls(name)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Weights, gradients, optimizer state and token weights."""
+        return torch.float64 if self.name == "fp64" else torch.float32
+
+    def cast(self, lm: nn.Module) -> nn.Module:
+        """The model as it trains: its parameters in param_dtype."""
+        return lm.to(self.param_dtype)
+
+    def forward(self, device_type: str) -> ContextManager:
+        """The context every forward of the objective runs in."""
+        if self.name == "bf16":
+            return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 class WeightedNLL(nn.Module):
@@ -91,7 +111,7 @@ def reference_backward(
     documents: Sequence[DocumentLike],
     total_weight: float,
     *,
-    precision: str,
+    precision: Precision,
     device: torch.device | str = "cpu",
 ) -> float:
     """The established objective, written plainly; gradients accumulate into `lm`.
@@ -100,12 +120,12 @@ def reference_backward(
     LM's full logits, the same token weights and the same W_k. Returns L_k.
     """
     device = torch.device(device)
-    dtype = param_dtype(precision)
+    dtype = precision.param_dtype
     loss = 0.0
     for doc in documents:
         ids = torch.tensor([list(doc.input_ids)], dtype=torch.long, device=device)
         weights = torch.tensor(list(doc.weights)[1:], dtype=dtype, device=device)
-        with forward_precision(precision, device.type):
+        with precision.forward(device.type):
             logits = lm(input_ids=ids, use_cache=False).logits[0, :-1]
         nll = F.cross_entropy(logits.to(dtype), ids[0, 1:], reduction="none")
         term = (weights * nll).sum() / total_weight

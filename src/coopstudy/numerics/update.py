@@ -6,9 +6,11 @@ train.warmup_updates and then stays constant: update k (from 1) uses
 lr · min(1, k / warmup_updates). The protocol fixes only the warmup; no decay
 follows it.
 
-`run_update` is the training update of both arms; `reference_update` applies
-the same optimizer step to the per-document reference objective, for the
-gate and the benchmark.
+`worker_update` is the training update of both arms (the worker, the gate,
+the benchmark and the tests all call it): this worker's share of the global
+batch, cut into microbatches and collated (batching), then `run_update`.
+`reference_update` applies the same optimizer step to the per-document
+reference objective, for the gate and the benchmark.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch
 from torch import nn
 
 from coopstudy.config import TrainConfig
-from coopstudy.numerics import distributed, objective
+from coopstudy.numerics import batching, distributed, objective
 from coopstudy.numerics.batching import DocumentLike, Microbatch
 from coopstudy.numerics.distributed import ByteCounter, DistContext, UpdateBytes
+from coopstudy.numerics.objective import Precision
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,6 @@ class UpdateResult:
     seconds: float
     comm: UpdateBytes | None
     """This worker's collective payload; None with one worker."""
-
-
-def cast_for_training(lm: nn.Module, precision: str) -> nn.Module:
-    """fp64: the whole model in float64 (the gate). Otherwise fp32 weights;
-    bf16 only ever appears inside autocast."""
-    return lm.to(objective.param_dtype(precision))
 
 
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.AdamW:
@@ -83,7 +80,7 @@ def run_update(
     total_weight: float,
     ctx: DistContext,
     *,
-    precision: str,
+    precision: Precision,
     grad_clip: float | None = None,
     counter: ByteCounter | None = None,
 ) -> UpdateResult:
@@ -107,7 +104,7 @@ def run_update(
         # synchronizes them (all-reduce, or PowerSGD), once per update.
         sync = contextlib.nullcontext() if i == last else distributed.no_sync(net)
         with sync:
-            with objective.forward_precision(precision, ctx.device.type):
+            with precision.forward(ctx.device.type):
                 loss, share = objective.microbatch_loss(net, mb, total_weight, ctx.world_size)
             loss.backward()
         shares.append(share)
@@ -141,6 +138,31 @@ def run_update(
     )
 
 
+def worker_update(
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    documents: Sequence[DocumentLike],
+    global_batch: Sequence[int],
+    ctx: DistContext,
+    *,
+    microbatch: int,
+    precision: Precision,
+    grad_clip: float | None = None,
+    counter: ByteCounter | None = None,
+) -> UpdateResult:
+    """One update of this worker on `global_batch` (indices into `documents`,
+    the same in every arm): its contiguous share, sorted by length and cut
+    into microbatches of `microbatch`, collated on its device, then run_update."""
+    plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, microbatch)
+    microbatches = [
+        batching.collate([documents[i] for i in mb], device=ctx.device, weight_dtype=precision.param_dtype) for mb in plan.microbatches
+    ]
+    return run_update(
+        net, optimizer, scheduler, microbatches, plan.total_weight, ctx, precision=precision, grad_clip=grad_clip, counter=counter
+    )
+
+
 def reference_update(
     lm: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -148,7 +170,7 @@ def reference_update(
     documents: Sequence[DocumentLike],
     total_weight: float,
     *,
-    precision: str,
+    precision: Precision,
     grad_clip: float | None = None,
     device: torch.device | str = "cpu",
 ) -> UpdateResult:

@@ -1,71 +1,122 @@
-"""Every name the study writes to its record: tags, params, metrics, artifacts.
+"""Every name the study writes to its record: tags, params, metrics,
+artifacts, and the values of the stage and probe-outcome tags.
 
-Each constant's docstring is its meaning; the README's schema section is
-generated from them (`python -m coopstudy.record.schema`), and a test fails
-when the two drift apart. Analysis imports these instead of spelling them.
+Each constant's docstring (the string right after it) is its meaning, and
+the `# --- section ---` comments group them. The README's schema section is
+generated from this file (`python -m coopstudy.record.schema` prints it), a
+constant without a docstring makes that fail, and a test fails when the README
+and this file drift apart. Analysis imports these instead of spelling them.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import NamedTuple
+
 # --- tags: every run -------------------------------------------------------
 TAG_STAGE = "coopstudy.stage"
+"""On every run: the stage that opened it, one of the STAGE_ values."""
 TAG_PRESET = "coopstudy.preset"
+"""On every run opened with a config: the config's `preset`, by default the preset file's name without .yaml."""
 TAG_ARM = "coopstudy.arm"
+"""On train arm runs and probe candidate runs: `control` or `compressed`."""
 TAG_GIT_COMMIT = "coopstudy.git_commit"
+"""On every run: the checkout's `git rev-parse HEAD`; absent outside a git checkout."""
 TAG_CONFIG_SHA = "coopstudy.config_sha256"
+"""On every run opened with a config: sha256 of the resolved config's YAML (the text of config.yaml)."""
 TAG_PLAN = "coopstudy.plan_sha256"
+"""On the plan run and the runs after it (train, select, evaluate; report when the runs it reads
+carry one): sha256 of the committed plan."""
 TAG_ERROR = "coopstudy.error"
+"""On a FAILED or KILLED run: the error's message (first 4000 characters), or its type name if it has none."""
 TAG_ERROR_KIND = "coopstudy.error_kind"
+"""On a FAILED or KILLED run: the error's type name (`RefusedError`, `TrainingFailed`, ...)."""
 TAG_COMMITMENT_PREFIX = "coopstudy.commitment."
-"""+ ledger kind: the digest that the run committed to the ledger."""
+"""+ ledger kind (inputs, gate, probe, plan): the digest this run committed to the ledger."""
 TAG_REQUIRES_PREFIX = "coopstudy.requires."
-"""+ ledger kind: the digest of a commitment the run checked before starting."""
+"""+ ledger kind (inputs, gate, plan): the digest of a commitment the run checked before starting."""
 TAG_PREFLIGHT = "coopstudy.preflight"
-"""On the experiment: `<host> <UTC time>` of the last preflight that wrote to it (`python -m coopstudy remote check`)."""
+"""On the experiment, not a run: `<host> <UTC time>` of the last preflight against a tracking server
+(once per stage process on an http(s) URI, and `python -m coopstudy remote check`)."""
 
 # --- stages ----------------------------------------------------------------
 STAGE_PREPARE = "prepare"
+"""The prepare run: seed model resolved, inputs generated, hashed and committed."""
 STAGE_VERIFY = "verify"
+"""The verify run: the equivalence gate (two gloo ranks against the per-document reference, float64)."""
 STAGE_PROBE = "probe"
+"""The probe-<preset> parent run and its child runs, one per candidate setting."""
 STAGE_PLAN = "plan"
+"""The plan-<preset> run that commits the frozen plan."""
 STAGE_TRAIN = "train"
+"""A train-<arm>-<preset> run per arm, and with `--arm both` their train-both-<preset> parent."""
 STAGE_SELECT = "select"
+"""The select run that commits both arms' final candidates, once per plan."""
 STAGE_EVALUATE = "evaluate"
+"""The evaluate parent run and its three child runs, one per model (seed, control, compressed)."""
 STAGE_REPORT = "report"
+"""The report run: screens as metrics, verdicts as tags, the report files as artifacts."""
 STAGE_STUDY = "study"
+"""The run of the `study` command (study-<preset>; train-<arm>-<preset>
+with --through train), parent of the step runs it starts."""
 STAGE_BENCH = "bench"
+"""The bench-objective-<preset> run of `python -m coopstudy bench objective`."""
 
 # --- study: step reuse -------------------------------------------------------
 TAG_STEP_KEY = "coopstudy.step_key"
-"""sha256 of a step's config, sources and upstream steps; equal key: reusable run."""
+"""On the first run a step opens under `study`: sha256 of the step's arguments, config, sources and
+upstream keys; a FINISHED run with the same key (and still valid) is reused instead of run again."""
 M_STUDY_SECONDS = "study/seconds"
+"""On the study run: wall seconds of the whole command, reused steps included."""
 ART_STEP_KEYS = "step_keys.json"
+"""On the study run: step name -> step key, for every step it ran or reused."""
 
 # --- artifacts: every run --------------------------------------------------
 ART_CONFIG = "config.yaml"
+"""On every run opened with a config: the resolved config as YAML (also logged as dotted params)."""
 ART_ERROR = "error.txt"
+"""On a FAILED or KILLED run: the error's full traceback."""
 
 # --- prepare ---------------------------------------------------------------
 TAG_INPUTS = "coopstudy.inputs_sha256"
-"""On the prepare run: the sha256 of the manifest that names every prepared file."""
+"""On the prepare run: the sha256 of manifest.json, which names every prepared file: the inputs commitment."""
 TAG_SEED_SHA = "coopstudy.seed_weights_sha256"
+"""On prepare, probe and train runs: sha256 of the seed's safetensors
+(with shards: of their `name<TAB>sha256` lines)."""
 PARAM_SEED_PARAMETERS = "seed.parameters"
+"""On the prepare run: the seed model's distinct parameters (tied embeddings count once)."""
 ART_MANIFEST = "manifest.json"
+"""On the prepare run: sha256 and bytes of every prepared file, counts, token
+statistics, truncation, dropped test questions, the seed."""
 M_PREPARE_SECONDS = "prepare/seconds"
+"""On the prepare run: wall seconds of the whole stage."""
 M_PREPARE_TRUNCATED = "prepare/truncated_documents"
+"""On the prepare run: documents (train and retention) cut to data.max_context tokens."""
 M_PREPARE_TRUNCATED_TOKENS = "prepare/truncated_tokens"
+"""On the prepare run: tokens cut off those documents, in total."""
 M_SEED_PARAMETERS = "seed/parameters"
+"""On the prepare run: the seed's distinct parameters, as a metric (the same number as the param)."""
 TAG_INPUTS_KEY = "coopstudy.inputs_key"
-"""On the prepare run: the ledger subject of its inputs commitment (data.inputs_key)."""
+"""On the prepare run: the ledger subject of its inputs commitment, a
+hash of data.*, model.* and the schedule's shape."""
 M_PREPARE_SEED_SECONDS = "prepare/seed_seconds"
+"""On the prepare run: seconds to resolve the seed model (download or conversion, unless cached, and hashing)."""
 M_PREPARE_BUILD_SECONDS = "prepare/build_seconds"
+"""On the prepare run: seconds to generate, tokenize, schedule, hash and write the inputs."""
 M_PREPARE_TEST_DROPPED = "prepare/test_dropped"
+"""On the prepare run: generated final-test questions dropped, being in training or repeated in the test."""
 M_PREPARE_TRAIN_TOKENS = "prepare/train_tokens"
+"""On the prepare run: tokens of train.jsonl (task and replay documents, each once, after truncation)."""
 
 # --- verify (the equivalence gate) ------------------------------------------
 ART_GATE_RECEIPT = "gate_receipt.json"
+"""On the verify run, passed or failed: the gate's receipt (sources, libraries, every comparison, failures)."""
 TAG_GATE = "coopstudy.gate_sha256"
+"""On a verify run that passed: sha256 of its receipt (canonical JSON), the gate commitment."""
 M_GATE_MAX_REL_ERROR = "gate/max_rel_error"
+"""On the verify run: the largest relative error, max|batched - reference| /
+max|reference| per tensor, over every comparison."""
 
 # --- probe (a parent run per sweep, a child run per candidate) ----------------
 TAG_PROBE_SETTING = "coopstudy.probe.setting"
@@ -73,103 +124,287 @@ TAG_PROBE_SETTING = "coopstudy.probe.setting"
 TAG_PROBE_OUTCOME = "coopstudy.probe.outcome"
 """On a candidate run: how it ended, one of the three OUTCOME_ values."""
 OUTCOME_COMPLETED = "completed"
-"""Every rank finished every probe update."""
+"""Every rank reported finishing every probe update and the launch exited 0."""
 OUTCOME_OUT_OF_MEMORY = "out_of_memory"
-"""A rank exceeded the device's capacity (CUDA's allocator, or the CPU peak-RSS check)."""
+"""A rank exceeded the device's capacity (CUDA's allocator, or the CPU
+peak-RSS check), or the host ran out of memory (MemoryError)."""
 OUTCOME_ERROR = "error"
-"""Any other failure."""
+"""Any other failure, a rank that left no report included."""
 TAG_PROBE_RECEIPT = "coopstudy.probe.receipt_sha256"
+"""On a candidate run: sha256 of its receipt file in <home>/probes/, the probe commitment."""
 ART_PROBE_RECEIPT = "probe_receipt.json"
+"""On a candidate run: its receipt (setting, outcome, update seconds, memory by rank, cost, hashes, versions)."""
 ART_PROBE_RANK_PREFIX = "probe_ranks/rank"
-"""+ rank + .json: what one training process of a candidate measured, written by that process."""
+"""+ rank + .json, on a candidate run: what one training process measured (outcome, error, update
+seconds, memory, device), written by that process however it ended."""
 ART_PROBE_RECEIPTS = "probe_receipts.json"
-"""On the parent: every candidate's receipt, in sweep order."""
+"""On the probe parent run: every candidate's receipt, in sweep order."""
 ART_PROBE_CHOICE = "probe_choice.json"
-"""On the parent: per arm and allocator, the largest microbatch that completed and its median."""
+"""On the probe parent run: per arm and allocator, the largest microbatch that completed, its median
+update seconds, its receipt's name, and the microbatches that failed."""
 M_PROBE_MEDIAN_SECONDS = "probe/median_update_seconds"
+"""On a candidate run that completed: the median of rank 0's update seconds over probe.updates updates."""
 M_PROBE_COMPLETED = "probe/completed"
+"""On the probe parent run: how many candidates completed."""
 M_PROBE_FAILED = "probe/failed"
+"""On the probe parent run: how many candidates did not (out of memory or error)."""
 M_CUDA_ALLOC_RETRIES = "memory/cuda_alloc_retries"
+"""On a candidate run on CUDA: the caching allocator's retries (num_alloc_retries), the largest over ranks."""
 M_CUDA_RESERVED_UNALLOCATED_MB = "memory/cuda_reserved_unallocated_mb"
-"""Reserved by the caching allocator but not allocated, when the candidate failed."""
+"""On a candidate run on CUDA that failed: MiB reserved by the caching allocator
+but not allocated at the failure, the largest over ranks."""
 
 # --- plan ---------------------------------------------------------------------
 ART_PLAN = "plan.json"
+"""On the plan run: the frozen plan document (also <home>/plans/<sha>.json); its sha256 is the plan commitment."""
 M_PLAN_SECONDS_PREFIX = "plan/projected_seconds/"
-"""+ arm: the plan's projection of that arm's complete seconds."""
+"""+ arm, on the plan run: the projected seconds of that arm's full run (probe
+overhead + median update seconds x train.updates)."""
 M_PLAN_COST_PREFIX = "plan/projected_cost_usd/"
-"""+ arm."""
+"""+ arm, on the plan run: that arm's projected cost, workers x projected
+seconds / 3600 x budget.hourly_price_usd, USD."""
 M_PROJECTED_SECONDS = "time/projected_seconds"
-"""On a train arm run: the plan's projection for this arm."""
+"""On a train arm run: the plan's projected seconds for this arm (on a train-both parent: both arms, summed)."""
 M_PROJECTED_COST_USD = "cost/projected_usd"
+"""On a train arm run: the plan's projected cost of this arm, USD (on a train-both parent: both arms, summed)."""
 M_SPENT_BEFORE_USD = "cost/spent_before_usd"
-"""On a train arm run: what the plan had spent (probes and earlier train runs) when it started."""
+"""On a train run: what the plan had spent (probes and earlier train runs, failed ones too) when it started, USD."""
 
 # --- bench objective (python -m coopstudy.bench objective) -------------------
 M_BENCH_BATCHED_MS = "bench/batched_ms_per_update"
+"""On the bench run: mean milliseconds of the batched update (control microbatches, one process), warm-up excluded."""
 M_BENCH_REFERENCE_MS = "bench/reference_ms_per_update"
+"""On the bench run: mean milliseconds of the per-document reference update on the same documents."""
 M_BENCH_SPEEDUP = "bench/speedup"
-"""Per-document ms / batched ms."""
+"""On the bench run: per-document ms / batched ms."""
 M_BENCH_LOSS_REL_GAP = "bench/loss_max_rel_gap"
+"""On the bench run: the largest |batched loss - reference loss| / |reference loss| over the updates,
+warm-up included."""
 M_BENCH_PADDING_PREFIX = "bench/padding_efficiency/"
-"""+ sorted|unsorted + / + arm: real tokens / computed tokens over the whole schedule."""
+"""+ sorted|unsorted + / + arm, on the bench run: real tokens / computed (padded) tokens over the whole
+schedule, for that arm's workers and microbatch."""
 TAG_BENCH_DOCUMENTS = "coopstudy.bench_documents"
+"""On the bench run: where its documents came from (`prepared inputs <sha>`, or `synthetic (...)` and why)."""
 ART_BENCH_TABLE = "bench_objective.json"
+"""On the bench run: the printed table, one row per quantity (MLflow table)."""
 
 # --- train: per update (step = update number, from 1) -----------------------
 M_LOSS = "train/loss"
+"""On train arm and probe candidate runs: the update's global weighted loss
+L_k (the same in both arms for the same weights)."""
 M_GRAD_NORM = "train/grad_norm"
+"""On train arm and probe candidate runs: the L2 norm of the update's global gradient, before clipping."""
 M_LR = "train/lr"
+"""On train arm and probe candidate runs: the learning rate the update used (linear warmup, then constant)."""
 M_UPDATE_SECONDS = "train/update_seconds"
+"""On train arm and probe candidate runs: rank 0's wall seconds for the update, until its loss was read
+off the device."""
 M_TOKENS = "train/tokens"
+"""On train arm and probe candidate runs: real (unpadded) tokens of the update's global batch."""
 M_BYTES = "train/bytes"
+"""On train arm and probe candidate runs: rank 0's collective payload in the update
+(gradient + scalar sums), bytes; 0 in the control."""
 # --- train: per run ---------------------------------------------------------
 M_ACTIVE_SECONDS = "time/active_seconds"
+"""On train arm and probe candidate runs: rank 0's seconds from the first update's start to the last update's end."""
 M_COMPLETE_SECONDS = "time/complete_seconds"
+"""On train arm and probe candidate runs: seconds from launching the processes to their exit, timed by the stage."""
 M_CHECKPOINT_SECONDS = "time/checkpoint_seconds"
+"""On a train arm run: seconds to write, hash, read back and verify the final checkpoint and log it as an artifact."""
 M_DEVICE_SECONDS = "time/device_seconds"
+"""On train arm and probe candidate runs: workers x complete seconds."""
 M_BYTES_DENSE = "bytes/dense_total"
+"""On train arm and probe candidate runs: rank 0's gradient payload over the dense updates, bytes; 0 in the control."""
 M_BYTES_COMPRESSED = "bytes/compressed_total"
+"""On train arm and probe candidate runs: rank 0's gradient payload over the
+PowerSGD-compressed updates, bytes; 0 in the control."""
 M_BYTES_TOTAL = "bytes/total"
+"""On train arm and probe candidate runs: rank 0's whole collective payload (dense +
+compressed + scalar sums + DDP's setup broadcast), bytes."""
 M_PEAK_RSS_MB = "memory/peak_rss_mb"
+"""On train arm and probe candidate runs: the largest peak resident set (VmHWM) over ranks, MiB."""
 M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"
+"""On train arm and probe candidate runs on CUDA: torch's max_memory_allocated, the largest over ranks, MiB."""
 M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
+"""On train arm and probe candidate runs on CUDA: torch's max_memory_reserved, the largest over ranks, MiB."""
 M_COST_USD = "cost/spent_usd"
+"""On train arm and probe candidate runs, failed ones too: device seconds / 3600 x budget.hourly_price_usd, USD."""
 TAG_CHECKPOINT_SHA = "coopstudy.checkpoint_sha256"
+"""On a train arm run: sha256 of the final checkpoint's model.safetensors; on
+an evaluate child run: of the weights it scored."""
 TAG_CHECKPOINT_PATH = "coopstudy.checkpoint_path"
-"""The final checkpoint's directory on local disk (HF format); select re-hashes it."""
+"""On a train arm run: the final checkpoint's directory on rank 0's local disk, <home>/checkpoints/<run id>/
+(HF format); select re-hashes the weights in it."""
 ART_CHECKPOINT = "checkpoint"
+"""On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"
+"""On train arm and probe candidate runs: rank 0's summary (setting, host, device,
+phases, assignment, memory by rank, bytes, checkpoint)."""
 TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
-"""+ rank: the error a training process hit (the run's own error tag says what the stage saw)."""
+"""+ rank, on train arm and probe candidate runs: `<type>: <first line>` of the error that training
+process hit (the run's own error tag says what the stage saw)."""
 ART_WORKER_ERROR_PREFIX = "worker_errors/rank"
-"""+ rank + .txt: that process's traceback."""
+"""+ rank + .txt, on train arm and probe candidate runs: that training process's traceback."""
 
 # --- select / evaluate ------------------------------------------------------
 TAG_CANDIDATE_PREFIX = "coopstudy.candidate."
-"""+ arm: the sha256 of that arm's selected final weights."""
+"""+ arm, on the select run and the evaluate parent: the sha256 of that arm's selected final weights."""
 TAG_MODEL = "coopstudy.model"
-"""On an evaluation run: seed, control or compressed."""
+"""On an evaluate child run: the model it scored, seed, control or compressed."""
 M_ACCURACY = "eval/accuracy"
+"""On an evaluate child run: the fraction (0 to 1) of final-test cases whose verifier scored 1.0."""
 M_ACCURACY_PREFIX = "eval/accuracy/"
-"""+ family."""
+"""+ family, on an evaluate child run: the same fraction over that family's cases."""
 M_RETENTION_NLL = "eval/retention_nll"
+"""On an evaluate child run: the mean over retention documents of their mean NLL per target token, nats."""
 ART_TEST_TABLE = "test_cases.json"
+"""On an evaluate child run: one row per final-test case (prompt, output, answer, expected, score, correct)."""
 ART_RETENTION_TABLE = "retention.json"
+"""On an evaluate child run: one row per retention document (target tokens, NLL sum, mean NLL)."""
 TAG_CANDIDATE_RUN_PREFIX = "coopstudy.candidate_run."
-"""+ arm: the train run whose final checkpoint is that arm's candidate."""
+"""+ arm, on the select run: the train run whose final checkpoint is that arm's candidate."""
 TAG_SELECT_RUN = "coopstudy.select_run_id"
-"""On an evaluate run: the select run that committed the candidates it scored."""
+"""On the evaluate parent run: the select run that committed the candidates it scored."""
 M_TEST_CASES = "eval/test_cases"
+"""On an evaluate child run: the number of final-test cases scored."""
 M_GENERATE_SECONDS = "eval/generate_seconds"
+"""On an evaluate child run: seconds of greedy generation over the whole final test."""
 M_GENERATE_ITEMS_PER_SECOND = "eval/generate_items_per_second"
+"""On an evaluate child run: test cases / generate seconds."""
 M_EVAL_THREADS = "eval/threads"
+"""On an evaluate child run: torch's thread count while it scored."""
 
 # --- report -----------------------------------------------------------------
 ART_REPORT_JSON = "report.json"
+"""On the report run: every screen's estimate, bound, threshold, verdict and input run ids; no timestamps."""
 ART_REPORT_MD = "report.md"
+"""On the report run: the report as Markdown."""
 ART_REPORT_HTML = "report.html"
+"""On the report run: the report as HTML, with plots."""
 TAG_VERDICT_PREFIX = "coopstudy.verdict."
-"""+ quality, speed or a screen's name: pass or fail."""
+"""+ quality, speed or a screen's name, on the report run: pass or fail."""
 M_SCREEN_PREFIX = "screen/"
-"""+ screen name + /estimate, /bound (the limit the verdict used, if any) or /passed (1 or 0)."""
+"""+ screen name (accuracy_gain, retention, noninferiority, active_speedup, complete_speedup) + /estimate,
+/bound (the limit the verdict used, if any) or /passed (1 or 0), on the report run."""
+
+
+# The README's schema section, built from this file's own source: the
+# constants above, their docstrings and the section comments.
+
+_SECTION = re.compile(r"^# --- (.+?) -*$")
+_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_KINDS = (
+    ("TAG_", "tag"),
+    ("PARAM_", "param"),
+    ("M_", "metric"),
+    ("ART_", "artifact"),
+    ("STAGE_", "stage value"),
+    ("OUTCOME_", "outcome value"),
+)
+"""Constant prefix -> the kind the README shows. A constant with any other
+prefix is refused: give its kind a prefix here first."""
+
+
+class Name(NamedTuple):
+    """One constant of this module, as the README shows it."""
+
+    section: str
+    constant: str
+    value: str
+    kind: str
+    meaning: str
+    """The docstring, its lines joined by single spaces."""
+    line: int
+
+
+def names(source: str | None = None) -> list[Name]:
+    """Every constant of `source` (default: this file) in file order, or a
+    ValueError naming each one without a docstring, a section, a string value
+    or a known prefix, and each string that documents nothing."""
+    import ast
+
+    text = Path(__file__).read_text() if source is None else source
+    sections = [(n, m.group(1)) for n, line in enumerate(text.splitlines(), 1) if (m := _SECTION.match(line))]
+    body = ast.parse(text).body
+    found: list[Name] = []
+    problems: list[str] = []
+    documented: set[int] = set()
+
+    def string(node: ast.stmt | None) -> str | None:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return node.value.value
+        return None
+
+    if string(body[0] if body else None) is not None:
+        documented.add(0)  # the module docstring
+    for i, node in enumerate(body):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        doc = string(body[i + 1]) if i + 1 < len(body) else None
+        if doc is not None:
+            documented.add(i + 1)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        constants = [t.id for t in targets if isinstance(t, ast.Name) and _CONSTANT.match(t.id)]
+        if not constants:
+            continue
+        name = constants[0]
+        where = f"line {node.lineno}: {name}"
+        if doc is None or not doc.strip():
+            problems.append(f"{where} has no docstring (a string literal on the line after it, saying what it means)")
+            continue
+        if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            problems.append(f"{where} is not a string")
+            continue
+        kind = next((k for prefix, k in _KINDS if name.startswith(prefix)), None)
+        if kind is None:
+            problems.append(f"{where} has none of the prefixes {', '.join(p for p, _ in _KINDS)}")
+            continue
+        section = next((title for n, title in reversed(sections) if n < node.lineno), None)
+        if section is None:
+            problems.append(f"{where} comes before the first `# --- section ---` comment")
+            continue
+        found.append(Name(section, name, node.value.value, kind, " ".join(doc.split()), node.lineno))
+    for i, node in enumerate(body):
+        if string(node) is not None and i not in documented:
+            problems.append(f"line {node.lineno}: a string that documents no constant")
+    if problems:
+        raise ValueError("coopstudy/record/schema.py: " + "; ".join(problems))
+    return found
+
+
+def _cell(text: str) -> str:
+    """`text` as a Markdown table cell: `|` escaped everywhere; outside code
+    spans `<` (or `<arm>` would be read as HTML) and `*` (as in `data.*`)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("*", "\\*").replace("<", "&lt;")
+    return "`".join(parts).replace("|", "\\|")
+
+
+def _intro() -> str:
+    return (
+        "Every name below is a constant in `src/coopstudy/record/schema.py`, which analysis imports, and its "
+        "meaning is that constant's docstring (`python -m coopstudy.record.schema` prints this section). "
+        f"Every run carries `{TAG_STAGE}`, `{TAG_PRESET}`, `{TAG_CONFIG_SHA}`, the git commit (`{TAG_GIT_COMMIT}`), "
+        f"the whole resolved config as params (dotted keys, e.g. `train.lr`) and `{ART_CONFIG}`; "
+        f"runs from the plan on also carry `{TAG_PLAN}`. "
+        "Query the record with MLflow's search API, e.g. "
+        f"``mlflow.search_runs(experiment_names=[\"coopstudy\"], filter_string=\"tags.`{TAG_STAGE}` = '{STAGE_TRAIN}' "
+        f"and tags.`{TAG_PLAN}` = '<sha>'\")``."
+    )
+
+
+def markdown() -> str:
+    """The README's schema section: the intro, then per section a bold
+    heading and a table of its names, kinds, constants and meanings."""
+    found = names()
+    lines = [_intro()]
+    for section in dict.fromkeys(n.section for n in found):
+        lines += ["", f"**{section}**", "", "| name | kind | constant | meaning |", "|---|---|---|---|"]
+        rows = [n for n in found if n.section == section]
+        lines += [f"| {_cell(f'`{n.value}`')} | {n.kind} | `{n.constant}` | {_cell(n.meaning)} |" for n in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -39,9 +39,6 @@ from typing import Any
 
 from coopstudy.record import schema, writer
 
-"""The ledger kind of a probe receipt (ledger.PROBE, once the ledger names it)."""
-
-
 
 class DeviceOutOfMemory(RuntimeError):
     """The emulated CPU device's capacity was exceeded."""

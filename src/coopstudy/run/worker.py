@@ -30,7 +30,7 @@ import traceback
 
 import torch
 
-from coopstudy import workspace
+from coopstudy import ui, workspace
 from coopstudy.commit import require
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
@@ -67,8 +67,8 @@ def train(
         # Our own progress display is the one a person watches.
         hf_logging.disable_progress_bar()
 
-        precision = cfg.train.precision
-        lm = update.cast_for_training(AutoModelForCausalLM.from_pretrained(seed.path), precision).to(ctx.device)
+        precision = objective.Precision.of(cfg.train.precision)
+        lm = precision.cast(AutoModelForCausalLM.from_pretrained(seed.path)).to(ctx.device)
         # DDP broadcasts rank 0's weights at construction, so every rank starts
         # from the same seed even if its own copy were different.
         net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx)
@@ -76,48 +76,40 @@ def train(
             probing.watch(lm)
         optimizer = update.build_optimizer(lm.parameters(), cfg.train)
         scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
-        weight_dtype = objective.param_dtype(precision)
 
-        progress = _Progress(f"train {arm}", len(schedule)) if ctx.is_main else None
         first_start = last_end = 0.0
         phases: list[str | None] = []
-        for k, global_batch in enumerate(schedule, start=1):
-            start = time.perf_counter()
-            if k == 1:
-                first_start = start
-            # Same global batch in every arm; this worker takes its contiguous
-            # share, sorts it by length and cuts it into microbatches.
-            plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, shape.microbatch)
-            microbatches = [
-                batching.collate([documents[i] for i in mb], device=ctx.device, weight_dtype=weight_dtype) for mb in plan.microbatches
-            ]
-            result = update.run_update(
-                net, optimizer, scheduler, microbatches, plan.total_weight, ctx,
-                precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
-            )
-            # run_update ends by reading the loss off the device (after the
-            # optimizer step in stream order), so the clock stops when the
-            # device has finished the update, not when its kernels were queued.
-            last_end = time.perf_counter()
-            if probing is not None:
-                probing.updated(last_end - start)
-            phases.append(result.comm.phase if result.comm else None)
-            if rec is not None:
-                rec.log_metrics(
-                    {
-                        schema.M_LOSS: result.loss,
-                        schema.M_GRAD_NORM: result.grad_norm,
-                        schema.M_LR: result.lr,
-                        schema.M_UPDATE_SECONDS: last_end - start,
-                        schema.M_TOKENS: result.tokens,
-                        # One worker's collective payload; the control sends nothing.
-                        schema.M_BYTES: result.comm.total if result.comm else 0,
-                    },
-                    step=k,
+        with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update") as advance:
+            for k, global_batch in enumerate(schedule, start=1):
+                start = time.perf_counter()
+                if k == 1:
+                    first_start = start
+                # Same global batch in every arm; this worker takes its share.
+                result = update.worker_update(
+                    net, optimizer, scheduler, documents, global_batch, ctx,
+                    microbatch=shape.microbatch, precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
                 )
-                progress.update(k, result.loss, last_end - start)
-        if progress is not None:
-            progress.close()
+                # The update ends by reading the loss off the device (after the
+                # optimizer step in stream order), so the clock stops when the
+                # device has finished the update, not when its kernels were queued.
+                last_end = time.perf_counter()
+                if probing is not None:
+                    probing.updated(last_end - start)
+                phases.append(result.comm.phase if result.comm else None)
+                if rec is not None:
+                    rec.log_metrics(
+                        {
+                            schema.M_LOSS: result.loss,
+                            schema.M_GRAD_NORM: result.grad_norm,
+                            schema.M_LR: result.lr,
+                            schema.M_UPDATE_SECONDS: last_end - start,
+                            schema.M_TOKENS: result.tokens,
+                            # One worker's collective payload; the control sends nothing.
+                            schema.M_BYTES: result.comm.total if result.comm else 0,
+                        },
+                        step=k,
+                    )
+                    advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
 
         saved = None
         if save and ctx.is_main:
@@ -132,7 +124,7 @@ def train(
                 "host": socket.gethostname(),
                 "threads_per_device": cfg.train.threads_per_device,
                 "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
-                "precision": precision,
+                "precision": precision.name,
                 "updates": len(schedule),
                 "phases": phases,
                 # Which documents each worker held for each update: the split is part of the record.
@@ -192,46 +184,6 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
     if device.type != "cuda":
         return [rss, 0.0, 0.0]
     return [rss, torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20]
-
-
-class _Progress:
-    """Update k of N, loss, seconds per update, ETA: a live bar at a terminal,
-    one log line per update anywhere else (files, pipes, CI)."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total = label, total
-        self.started = time.perf_counter()
-        self.bar = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn(label),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[rate]} s/update"),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                # Redrawn on each update only: no display thread competes
-                # with training for the device's one core.
-                auto_refresh=False,
-            )
-            self.task = self.bar.add_task(label, total=total, loss="-", rate="-")
-            self.bar.start()
-
-    def update(self, k: int, loss: float, seconds: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=k, loss=f"{loss:.4f}", rate=f"{seconds:.2f}", refresh=True)
-            return
-        eta = (time.perf_counter() - self.started) / k * (self.total - k)
-        print(f"{self.label}: update {k}/{self.total} loss {loss:.4f} {seconds:.2f} s/update ETA {eta:.0f} s", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _record_error(run_id: str, rank: int, err: BaseException) -> None:

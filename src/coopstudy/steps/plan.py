@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from datetime import datetime, timezone
 
-from rich.console import Console
 from rich.table import Table
 
+from coopstudy import ui
 from coopstudy.commit import ledger, plan, require
 from coopstudy.config import Config
 from coopstudy.record import schema, writer
@@ -63,7 +63,7 @@ def _notes(doc: dict) -> list[str]:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    console = Console(width=max(Console().width, 140))
+    console = ui.console(140)
     with writer.stage_run(schema.STAGE_PLAN, cfg, run_name=f"plan-{cfg.preset}") as rec:
         done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt())
         doc = done.document

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from collections.abc import Iterable, Sequence
-from typing import TypeVar
 
-from coopstudy import workspace
+from coopstudy import ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
 from coopstudy.inputs import data
@@ -31,19 +28,6 @@ MLflow run: the config, the files as dataset inputs, the manifest, timings and
 the seed's sha256. Running it again with the same settings reproduces the same
 hashes and reuses the folder."""
 
-T = TypeVar("T")
-
-
-def _track(items: Sequence[T], description: str) -> Iterable[T]:
-    if sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import track
-
-        return track(items, description=description, console=Console(stderr=True), transient=True)
-    print(f"{description} ({len(items)})", file=sys.stderr, flush=True)
-    return items
-
-
 def run(cfg: Config, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     book = ledger.Ledger()
@@ -61,7 +45,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         built_at = time.perf_counter()
-        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, _track)
+        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, ui.track)
         folder, status = data.write_prepared(built)
         build_seconds = time.perf_counter() - built_at
         digest = built.digest

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from coopstudy import workspace
+from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
 from coopstudy.config import Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
@@ -192,7 +192,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     candidates = _candidates(cfg)
     if args.hostfile is not None and not args.hostfile.is_file():
         raise UserError(f"--hostfile {args.hostfile}: no such file")
-    console = Console(width=max(Console().width, 140))
+    console = ui.console(140)
     arms = tuple(sorted({c.arm for c, _ in candidates}))
     devices = launch.devices_of(cfg, arms, args.hostfile)
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from coopstudy import ui
 from coopstudy.commit import ledger as ledger_mod
 from coopstudy.commit import sources
 from coopstudy.config import Config
@@ -50,13 +51,12 @@ def _table(summary: list[dict[str, Any]], tolerance: float):
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from coopstudy.commit import receipts, sources
     from coopstudy.numerics import gate
 
     # Wide enough for the table when output goes to a file or a pipe (80 columns by default).
-    console = Console(width=max(Console().width, 110))
+    console = ui.console(110)
     with writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
         result = gate.run_gate(cfg)
         receipt = receipts.gate_receipt(result, cfg)

@@ -1,0 +1,67 @@
+"""What a person watching sees: one progress display and the console tables
+print to. At a terminal the display is a live bar, redrawn only when work
+advances (no display thread competes with training for the device's core);
+anywhere else (a file, a pipe, CI) it is one log line per advance."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from rich.console import Console
+
+T = TypeVar("T")
+Advance = Callable[..., None]
+"""advance(n=1, **fields): n more items done; fields (loss=..., ...) are shown beside the count."""
+
+
+def console(min_width: int = 110) -> Console:
+    """A console at least `min_width` columns wide, so tables stay whole in a file or a pipe
+    (rich assumes 80 columns there)."""
+    return Console(width=max(Console().width, min_width))
+
+
+def _shown(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k.replace('_', ' ')} {v:.4g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}" for k, v in fields.items())
+
+
+@contextlib.contextmanager
+def progress(label: str, total: int, *, enabled: bool = True, unit: str = "") -> Iterator[Advance]:
+    """A display of `total` items of work; yields the function that advances it."""
+    if not enabled:
+        yield lambda n=1, **fields: None
+        return
+    started = time.perf_counter()
+    done = 0
+    if not sys.stderr.isatty():
+
+        def line(n: int = 1, **fields: Any) -> None:
+            nonlocal done
+            done += n
+            eta = (time.perf_counter() - started) / done * (total - done)
+            extra = f" {_shown(fields)}" if fields else ""
+            print(f"{label}: {unit}{' ' if unit else ''}{done}/{total}{extra} ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[shown]}"),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=Console(stderr=True), auto_refresh=False, transient=True,
+    )  # fmt: skip
+    task = bar.add_task(label, total=total, shown="")
+    with bar:
+        yield lambda n=1, **fields: bar.update(task, advance=n, shown=_shown(fields), refresh=True)
+
+
+def track(items: Sequence[T], label: str) -> Iterable[T]:
+    """The items, with a progress display while they are iterated."""
+    with progress(label, len(items)) as advance:
+        for item in items:
+            yield item
+            advance()

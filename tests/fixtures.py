@@ -1,0 +1,174 @@
+"""Every fixture and helper more than one test module uses; no test module
+imports another.
+
+The tiny study's expensive states are made once per session, as a user makes
+them, through the CLI: the tiny seed, the prepared store, the verified and
+probed store. A test gets its own copy (`prepared_tiny`, `probed_tiny`, or a
+module-wide one from `module_store`), so it may change or break it freely.
+Loaded by conftest (`pytest_plugins`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from coopstudy import config, workspace
+from coopstudy.commit import require
+from coopstudy.errors import UserError
+from coopstudy.inputs.seed import Seed, resolve_seed
+from coopstudy.record import schema, writer
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = "ab" * 32
+"""The plan sha the `planned` fixture stands in for."""
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m coopstudy ARGS` as a user runs it, in the test's store."""
+    return subprocess.run(
+        [sys.executable, "-m", "coopstudy", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class Store:
+    """A study folder and the MLflow SQLite store that records it."""
+
+    home: Path
+    """COOPSTUDY_HOME: seeds/, prepared/, ledger.jsonl, ..."""
+    db: Path
+    printed: subprocess.CompletedProcess | None = None
+    """What the command that made this state printed."""
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"sqlite:///{self.db}"
+
+    def env(self) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": self.tracking_uri, "COOPSTUDY_HOME": str(self.home)}
+
+    def copy(self, dst: Path) -> Store:
+        """An independent copy under `dst`."""
+        copied = Store(dst / "home", dst / "mlflow.db", self.printed)
+        shutil.copytree(self.home, copied.home)
+        shutil.copy(self.db, copied.db)
+        return copied
+
+    def use(self, monkeypatch: pytest.MonkeyPatch) -> Store:
+        """Point this process (and what it starts) at the store."""
+        for key, value in self.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+        return self
+
+
+@contextlib.contextmanager
+def module_store(tmp_path_factory: pytest.TempPathFactory, source: Store, name: str) -> Iterator[Store]:
+    """A copy of `source` that every test of a module shares, in use for the module's duration."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield source.copy(tmp_path_factory.mktemp(name)).use(mp)
+
+
+# Session work is done once even when several modules ask for it.
+_made: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_seed_home(tmp_path_factory) -> Path:
+    """A workspace holding only the tiny preset's seed model."""
+    if "seed" not in _made:
+        home = tmp_path_factory.mktemp("tiny-seed") / "home"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("COOPSTUDY_HOME", str(home))
+            resolve_seed(config.load("tiny"))
+        _made["seed"] = home
+    return _made["seed"]  # type: ignore[return-value]
+
+
+@pytest.fixture
+def tiny_seed(tiny_seed_home) -> Seed:
+    """The tiny seed, copied into this test's workspace."""
+    shutil.copytree(tiny_seed_home / "seeds", Path(os.environ["COOPSTUDY_HOME"]) / "seeds", dirs_exist_ok=True)
+    return resolve_seed(config.load("tiny"))
+
+
+@pytest.fixture(scope="session")
+def prepared_tiny_store(tiny_seed_home, tmp_path_factory) -> Store:
+    """`python -m coopstudy prepare --preset tiny`, run once, as a user runs it."""
+    if "prepared" not in _made:
+        base = tmp_path_factory.mktemp("prepared-tiny")
+        store = Store(base / "home", base / "mlflow.db")
+        shutil.copytree(tiny_seed_home, store.home)
+        done = run_cli("prepare", "--preset", "tiny", env=store.env())
+        assert done.returncode == 0, done.stderr
+        _made["prepared"] = Store(store.home, store.db, done)
+    return _made["prepared"]  # type: ignore[return-value]
+
+
+@pytest.fixture
+def prepared_tiny(prepared_tiny_store, tmp_path, monkeypatch) -> Store:
+    """This test's own copy of the prepared tiny store, in use."""
+    return prepared_tiny_store.copy(tmp_path).use(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> Store:
+    """The prepared tiny store, verified and probed with the preset's grid."""
+    if "probed" not in _made:
+        store = prepared_tiny_store.copy(tmp_path_factory.mktemp("probed-tiny"))
+        verified = run_cli("verify", "--preset", "tiny", env=store.env())
+        assert verified.returncode == 0, verified.stderr[-3000:]
+        probed = run_cli("probe", "--preset", "tiny", env=store.env())
+        assert probed.returncode == 0, probed.stderr[-3000:]
+        _made["probed"] = Store(store.home, store.db, probed)
+    return _made["probed"]  # type: ignore[return-value]
+
+
+@pytest.fixture
+def probed_tiny(probed_tiny_store, tmp_path, monkeypatch) -> Store:
+    """This test's own copy of the probed tiny store, in use."""
+    return probed_tiny_store.copy(tmp_path).use(monkeypatch)
+
+
+@pytest.fixture
+def planned(monkeypatch) -> str:
+    """A committed, unchanged plan (making a real one takes prepare, verify and probe)."""
+    monkeypatch.setattr(require, "committed_plan", lambda cfg: PLAN)
+    return PLAN
+
+
+def fake_train_run(
+    cfg: config.Config, arm: str, seed_dir: Path, *, plan_sha: str = PLAN, status: str = "FINISHED", corrupt: bool = False
+) -> tuple[str, Path]:
+    """A train run of `arm` under `plan_sha`, recorded as `train` records it,
+    whose final checkpoint is a copy of `seed_dir`: (run id, checkpoint folder)."""
+    folder = workspace.subdir("checkpoints") / f"{arm}-{len(list(workspace.subdir('checkpoints').iterdir()))}"
+    shutil.copytree(seed_dir, folder)
+    if corrupt:
+        (folder / workspace.WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+    tags = {
+        schema.TAG_CHECKPOINT_SHA: workspace.sha256_file(folder / workspace.WEIGHTS_FILE),
+        schema.TAG_CHECKPOINT_PATH: str(folder),
+        schema.TAG_PLAN: plan_sha,
+    }
+    try:
+        with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags, log_config=False) as rec:
+            if status != "FINISHED":
+                raise UserError("training failed")
+    except UserError:
+        pass
+    return rec.run_id, folder
