@@ -13,9 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from coopstudy import workspace
 from coopstudy.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESET_DIR = "configs"
+"""Presets are `<project>/configs/<name>.yaml` (coopstudy.workspace.project_root)."""
 ARMS = ("control", "compressed")
 """The study's two arms, in the order they train and report."""
 Arm = Literal["control", "compressed"]
@@ -219,7 +221,7 @@ class Config(_Section):
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in (workspace.project_root() / PRESET_DIR).glob("*.yaml"))
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -275,7 +277,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The preset's config with overrides applied, validated."""
     path = Path(preset)
     if path.suffix not in (".yaml", ".yml"):
-        path = CONFIG_DIR / f"{preset}.yaml"
+        path = workspace.project_root() / PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(preset_names())}")
     try:

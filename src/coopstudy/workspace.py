@@ -1,7 +1,8 @@
 """Where the study keeps its files: prepared inputs, seed checkpoints, final
-weights, the ledger and locks. One folder, beside the local tracking store by
-default; COOPSTUDY_HOME moves it. Imports nothing of the project's: every
-layer may use it."""
+weights, the ledger and locks. One folder, `.coopstudy/` in the project the
+command runs in (beside MLflow's local default store, `mlflow.db`); the
+environment variable COOPSTUDY_HOME moves it. Imports nothing of the
+project's: every layer may use it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ import os
 import socket
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+HOME_VARIABLE = "COOPSTUDY_HOME"
 WEIGHTS_FILE = "model.safetensors"
 """The weights file of every checkpoint the study writes or reads (HF format)."""
 
 
+def project_root() -> Path:
+    """The project a command runs in: the nearest folder at or above the
+    working directory that holds an MLproject file, else the working directory.
+    Its configs/, mlruns_remote.txt, mlflow.db and .coopstudy/ are the ones used,
+    whichever checkout the installed package came from."""
+    here = Path.cwd().resolve()
+    return next((d for d in (here, *here.parents) if (d / "MLproject").is_file()), here)
+
+
 def home() -> Path:
-    root = Path(os.environ.get("COOPSTUDY_HOME") or PROJECT_ROOT / ".coopstudy")
+    root = Path(os.environ.get(HOME_VARIABLE) or project_root() / ".coopstudy")
     root.mkdir(parents=True, exist_ok=True)
     return root
 

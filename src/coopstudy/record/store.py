@@ -15,8 +15,8 @@ from coopstudy import config as config_mod
 from coopstudy import workspace
 from coopstudy.errors import UserError
 
-PROJECT_ROOT = workspace.PROJECT_ROOT
-REMOTE_FILE = PROJECT_ROOT / "mlruns_remote.txt"
+REMOTE_FILE = "mlruns_remote.txt"
+"""In the project folder (workspace.project_root): names the study's tracking server."""
 ENV_REMOTE_FILE = "COOPSTUDY_REMOTE_FILE"
 """Names a file to read instead of REMOTE_FILE (another checkout's, a test's)."""
 DEFAULT_EXPERIMENT = "coopstudy"
@@ -50,7 +50,7 @@ def remote_file() -> Path:
     named = os.environ.get(ENV_REMOTE_FILE)
     if named and not Path(named).is_file():
         raise UserError(f"{ENV_REMOTE_FILE}={named}: no such file")
-    return Path(named) if named else REMOTE_FILE
+    return Path(named) if named else workspace.project_root() / REMOTE_FILE
 
 
 def _uri_from_file(path: Path | None = None) -> str | None:
@@ -81,7 +81,7 @@ def tracking_uri() -> str:
         return uri
     # MLflow's own default is SQLite in the working directory; pinning it to the
     # project folder keeps one record whatever directory a step starts from.
-    return f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+    return f"sqlite:///{workspace.project_root() / 'mlflow.db'}"
 
 
 def client():
@@ -108,7 +108,7 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(workspace.project_root()), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
         return None

@@ -200,7 +200,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int) -> Exit:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.PROJECT_ROOT)
+        proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root())
         try:
             returncode = proc.wait()
         except BaseException:

@@ -45,7 +45,7 @@ def _make_analysis_importable() -> None:
     # from the project root it is found already, from anywhere else through
     # the root, which this editable package knows.
     if importlib.util.find_spec("analysis") is None:
-        sys.path.append(str(store.PROJECT_ROOT))
+        sys.path.append(str(workspace.project_root()))
 
 
 def _key_metrics(screens: list[Screen]) -> dict[str, float]:
