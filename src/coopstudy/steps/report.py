@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from coopstudy import workspace
 from coopstudy.config import Config
-from coopstudy.record import schema, store, writer
+from coopstudy.record import schema, writer
 
 if TYPE_CHECKING:
     from analysis.screens import Screen
