@@ -7,10 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fixtures import run_cli
 
-# Every shared fixture and helper lives in fixtures.py.
-pytest_plugins = ["fixtures"]
+# Every shared fixture and helper lives in fixtures.py; importing them here is
+# what makes them fixtures of every test (pytest's own plugin named "fixtures"
+# shadows a `pytest_plugins` entry of that name).
+from fixtures import *  # noqa: F401,F403,E402
+from fixtures import run_cli
 
 
 @pytest.fixture(scope="session")

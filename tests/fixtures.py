@@ -13,12 +13,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
 import pytest
 
 from coopstudy import config, workspace
@@ -172,3 +176,87 @@ def fake_train_run(
     except UserError:
         pass
     return rec.run_id, folder
+
+
+def checkout_copy(dst: Path) -> Path:
+    """The checkout as a fresh clone would have it (tracked and untracked, not ignored, files), under `dst`."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst / rel)
+    return dst
+
+
+SERVER_START_S = 120.0
+"""Start-up of an `mlflow server` on a loaded two-core machine takes 10-30 s."""
+
+
+class Server:
+    """`mlflow server` on 127.0.0.1, stopped and started again on the same port and stores."""
+
+    def __init__(self, root: Path, backend: str | None = None):
+        self.root = root
+        self.backend = backend or f"sqlite:///{root / 'server.db'}"
+        """The store the server serves (a study's own SQLite file, or a new one)."""
+        self.port = workspace.free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.root / f"server-{self.starts}.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("mlflow")), "server",
+                "--backend-store-uri", self.backend,
+                "--artifacts-destination", str(self.artifacts),
+                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            ],
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own process group: stop() ends the server and its workers, nothing else.
+            start_new_session=True,
+            # The job runner starts a dozen consumer processes the tests never use.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        )
+        log.close()
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"mlflow server did not come up: {(self.root / f'server-{self.starts}.log').read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def client(self) -> mlflow.MlflowClient:
+        return mlflow.MlflowClient(tracking_uri=self.uri)

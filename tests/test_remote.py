@@ -15,18 +15,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT
+from fixtures import ROOT, Server
 from mlflow.entities import ViewType
 
 from coopstudy import workspace
@@ -35,81 +33,7 @@ from coopstudy.record import schema, store, writer
 
 pytestmark = pytest.mark.slow
 
-SERVER_START_S = 120.0
-"""Start-up of an `mlflow server` on a loaded two-core machine takes 10-30 s."""
 OUTAGE_UPDATES = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`mlflow server` on 127.0.0.1, stopped and started again on the same port and stores."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def artifacts(self) -> Path:
-        return self.root / "artifacts"
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.root / f"server-{self.starts}.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("mlflow")), "server",
-                "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-                "--artifacts-destination", str(self.artifacts),
-                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            ],
-            cwd=self.root,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # Its own process group: stop() ends the server and its workers, nothing else.
-            start_new_session=True,
-            # The job runner starts a dozen consumer processes the tests never use.
-            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-        )
-        log.close()
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        pytest.fail(f"mlflow server did not come up: {(self.root / f'server-{self.starts}.log').read_text()[-3000:]}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-    def client(self) -> mlflow.MlflowClient:
-        return mlflow.MlflowClient(tracking_uri=self.uri)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +140,7 @@ def test_report_from_the_server_record_alone(server, study, tmp_path):
 
 def test_a_dead_server_stops_a_stage_before_any_work(tmp_path):
     remote_file = tmp_path / "mlruns_remote.txt"
-    remote_file.write_text(f"http://127.0.0.1:{_free_port()}\n")
+    remote_file.write_text(f"http://127.0.0.1:{workspace.free_port()}\n")
     start = time.monotonic()
     done = _coopstudy("prepare", "--preset", "tiny", env=_remote_env(remote_file, tmp_path / "home"))
     seconds = time.monotonic() - start
@@ -254,7 +178,7 @@ def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tm
     run_id = client.create_run(client.get_experiment_by_name("coopstudy").experiment_id).info.run_id
     monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COOPSTUDY_OUTBOX_GRACE_S", "0")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{workspace.free_port()}")
     rec = writer.Recorder(run_id)
     for step in range(1, 6):
         rec.log_metrics({schema.M_LOSS: 1.0 / step}, step=step)

@@ -8,31 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import mlflow
 import pytest
+from fixtures import Server, checkout_copy
 
 from coopstudy import config, study
 from coopstudy.commit import sources
-from coopstudy.record import schema
+from coopstudy.record import schema, store
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _checkout_copy(dst: Path) -> Path:
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for rel in files:
-        if (ROOT / rel).is_file():
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dst / rel)
-    return dst
 
 
 class Copy:
@@ -70,7 +62,7 @@ def _steps(out: str, verb: str) -> list[str]:
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory, tiny_seed_home) -> Copy:
     base = tmp_path_factory.mktemp("study")
-    root = _checkout_copy(tmp_path_factory.mktemp("checkout"))
+    root = checkout_copy(tmp_path_factory.mktemp("checkout"))
     # The tiny seed is made once per session; a fresh clone would make it in prepare.
     shutil.copytree(tiny_seed_home, base / "home")
     return Copy(root, base)
@@ -159,3 +151,84 @@ def test_every_module_belongs_to_a_step():
     assert modules <= claimed | tools
     assert "src/coopstudy/run/worker.py" in study.step_sources(study.STEPS[study.STEP_NAMES.index("train-control")])
     assert {f"analysis/{m}.py" for m in ("records", "report", "screens", "stats")} <= set(study.step_sources(study.STEPS[-1]))
+
+
+def test_the_record_is_native_in_mlflow(first, copy):
+    client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("coopstudy")
+    assert exp.tags[store.EXPERIMENT_KIND_TAG] == store.EXPERIMENT_KIND
+    (report,) = copy.runs("report")
+    folder = Path(copy.env["COOPSTUDY_HOME"]) / "reports"
+    [md] = folder.glob(f"*/{schema.ART_REPORT_MD}")
+    assert report.data.tags["mlflow.note.content"] == md.read_text()
+    figures = [f.path for f in client.list_artifacts(report.info.run_id, schema.ART_FIGURES)]
+    assert figures and all(f.endswith(".png") for f in figures)
+    # Three logged models, each with its evaluation metrics on the final test.
+    models = client.search_logged_models(experiment_ids=[exp.experiment_id])
+    assert sorted(m.name for m in models) == ["compressed", "control", "seed"]
+    for m in models:
+        linked = {x.key: x for x in m.metrics}
+        assert schema.M_ACCURACY in linked and linked[schema.M_ACCURACY].dataset_name == "test.jsonl"
+    evaluations = [r for r in copy.runs("evaluate") if schema.TAG_MODEL in r.data.tags]
+    assert all({i.dataset.name for i in r.inputs.dataset_inputs} == {"test.jsonl", "retention.jsonl"} for r in evaluations)
+
+
+CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", "/usr/bin/chromium") if Path(p).exists()), None)
+CHROMIUM_ARGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+]  # fmt: skip
+SCREENSHOTS = ROOT / "build" / "browser"
+"""Where the browser test keeps what it saw (ignored by git; CI keeps it as an artifact)."""
+PAGE_TIMEOUT_MS = 90_000
+"""The first page load compiles a large bundle on two cores."""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
+def test_the_study_in_a_real_browser(first, copy, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("coopstudy").experiment_id
+    parent = next(r for r in copy.runs("study") if r.info.run_name == "train-both-tiny")
+    arms = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train") if schema.TAG_ARM in r.data.tags}
+    server = Server(tmp_path, backend=copy.env["MLFLOW_TRACKING_URI"])
+    server.start()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_context(viewport={"width": 1920, "height": 1100}).new_page()
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+
+            def link(name: str):
+                return page.locator("a").filter(has_text=re.compile(rf"^{re.escape(name)}$"))
+
+            # The experiment as the README links it: on its training runs, not the traces overview.
+            page.goto(f"{server.uri}/#/experiments/{exp}?workflowType=machine_learning")
+            page.wait_for_url(f"**/experiments/{exp}/runs?**")
+            link("train-both-tiny").wait_for()
+            assert "overview" not in page.url
+            page.screenshot(path=str(SCREENSHOTS / "experiment.png"))
+            # The study's parent holds its steps.
+            page.goto(f"{server.uri}/#/experiments/{exp}/runs/{parent.info.run_id}?workflowType=machine_learning")
+            page.get_by_text("Child runs", exact=True).wait_for()
+            for step in ("prepare-tiny", "verify-tiny", "plan-tiny", "train-control-tiny", "train-compressed-tiny"):
+                link(step).wait_for()
+            # Both arms side by side, with their loss curves.
+            runs = urllib.parse.quote(json.dumps([arms["control"].info.run_id, arms["compressed"].info.run_id]))
+            page.goto(f"{server.uri}/#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([exp]))}")
+            page.get_by_text("Comparing 2 Runs from 1 Experiment").wait_for()
+            page.get_by_text("train-control-tiny", exact=True).wait_for()
+            page.get_by_text("train-compressed-tiny", exact=True).wait_for()
+            loss = page.locator(f'a[href*="#/metric?"][href*="{urllib.parse.quote(schema.M_LOSS, safe="")}"]').first
+            loss.wait_for()
+            page.screenshot(path=str(SCREENSHOTS / "compare.png"), full_page=True)
+            loss.click()
+            page.wait_for_url("**/metric?**")
+            page.locator(".js-plotly-plot path.js-line").nth(1).wait_for(state="attached")
+            page.screenshot(path=str(SCREENSHOTS / "train-loss.png"))
+            browser.close()
+    finally:
+        server.stop()
+    assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000

@@ -55,6 +55,18 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(TOOLS.get(name, default))
 
 
+def _with_experiment(overrides: list[str]) -> list[str]:
+    """The overrides, plus the experiment the user named outside the config
+    (MLFLOW_EXPERIMENT_NAME, `mlflow run --experiment-name`) unless
+    `--set experiment=...` names one: that is the study's experiment then."""
+    if any(o.split("=", 1)[0].strip() == "experiment" for o in overrides):
+        return overrides
+    from coopstudy.record import store
+
+    named = store.chosen_experiment()
+    return [*overrides, f"experiment={named}"] if named else overrides
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only`, just that command's sub-parser: a command
     then imports no other command's module (some import torch at the top)."""
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args._module.main(args) or 0)
         # MLproject passes all overrides as one word, or an empty one.
         overrides = [o for item in args.overrides for o in item.split()]
-        cfg = config_mod.load(args.preset, overrides)
+        cfg = config_mod.load(args.preset, _with_experiment(overrides))
         if args.dry_run:
             print(config_mod.to_yaml(cfg), end="")
             return 0

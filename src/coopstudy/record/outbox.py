@@ -207,8 +207,63 @@ def apply(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
             client.log_artifact(run_id, str(path), record.get("artifact_path"))
     elif op == "terminate":
         client.set_terminated(run_id, record["status"], end_time=record["end_time"])
+    elif op == "table":
+        _apply_table(client, run_id, record)
+    elif op == "inputs":
+        client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record["datasets"]])
+    elif op == "model":
+        _apply_model(client, run_id, record)
     else:
         raise ValueError(f"unknown outbox record {op!r}")
+
+
+LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
+"""The run tag with which MLflow's UI finds a run's tables (its evaluation view)."""
+
+
+def _apply_table(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
+    # MLflow's own log_table appends to an existing artifact, so a record
+    # delivered twice would double its rows; written whole, it is the same file.
+    body = {"columns": record["columns"], "data": record["data"]}
+    client.log_text(run_id, json.dumps(body, default=str), record["artifact_file"])
+    logged = json.loads(client.get_run(run_id).data.tags.get(LOGGED_ARTIFACTS_TAG, "[]"))
+    entry = {"path": record["artifact_file"], "type": "table"}
+    if entry not in logged:
+        client.set_tag(run_id, LOGGED_ARTIFACTS_TAG, json.dumps([*logged, entry]))
+
+
+def _dataset_input(d: Mapping[str, Any]) -> Any:
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    return DatasetInput(
+        dataset=Dataset(name=d["name"], digest=d["digest"], source_type=d["source_type"], source=d["source"]),
+        tags=[InputTag(key=k, value=v) for k, v in d["tags"].items()],
+    )
+
+
+def _apply_model(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
+    """A logged model of the run (weights named by their hash, not copied again),
+    with its evaluation metrics linked to it and to the dataset they were measured on."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
+
+    experiment_id = client.get_run(run_id).info.experiment_id
+    # Delivered twice, the record must not make a second model.
+    found = [
+        m for m in client.search_logged_models(experiment_ids=[experiment_id], filter_string=f"source_run_id = '{run_id}'")
+        if m.name == record["name"]
+    ]
+    model = found[0] if found else client.create_logged_model(
+        experiment_id=experiment_id, name=record["name"], source_run_id=run_id,
+        params=record["params"], tags=record["tags"], model_type=record["model_type"],
+    )  # fmt: skip
+    if not found:
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        client.log_outputs(run_id, [LoggedModelOutput(model.model_id, 0)])
+    name, digest = record["dataset"]
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, v, ts, step, model_id=model.model_id, dataset_name=name, dataset_digest=digest) for k, v, ts, step in record["metrics"]],
+    )
 
 
 def describe(records: list[dict[str, Any]]) -> str:
@@ -226,7 +281,8 @@ def describe(records: list[dict[str, Any]]) -> str:
     parts = [f"{key} steps {min(s)}-{max(s)} ({len(s)})" for key, s in list(steps.items())[:3]]
     if len(steps) > 3:
         parts.append(f"{len(steps) - 3} more metric keys")
-    names = {"params": "params", "tags": "tags", "text": "text artifacts", "artifact": "uploads", "terminate": "the run's end"}
+    names = {"params": "params", "tags": "tags", "text": "text artifacts", "artifact": "uploads", "table": "tables",
+             "inputs": "dataset inputs", "model": "logged models", "terminate": "the run's end"}
     parts += [f"{n} {names[k]}" if k != "terminate" else names[k] for k, n in other.items()]
     return ", ".join(parts) or "nothing"
 

@@ -1,5 +1,15 @@
 """Where the record lives and how it is read: the tracking URI, the
-experiment, searches and downloads. Nothing here writes a run."""
+experiment, searches and downloads. Nothing here writes a run.
+
+The study's store is resolved once per process, in this order: the user's
+MLFLOW_TRACKING_URI; else the first URI line of the project's
+mlruns_remote.txt; else MLflow's local default, `mlflow.db` in the project
+folder. `mlflow run` hands the command it starts an MLFLOW_TRACKING_URI of
+its own even when the user set none (its default, the same local SQLite
+file); that value is not taken for the user's choice. The resolved URI is put
+back into the environment, so every process a step starts (ranks, probes)
+records in the same store.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -20,6 +31,30 @@ REMOTE_FILE = "mlruns_remote.txt"
 ENV_REMOTE_FILE = "COOPSTUDY_REMOTE_FILE"
 """Names a file to read instead of REMOTE_FILE (another checkout's, a test's)."""
 DEFAULT_EXPERIMENT = "coopstudy"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow 3's UI opens an experiment without this tag as a GenAI one (a traces overview)."""
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What `mlflow run` handed the entry point it started: its run, the store
+    and the experiment it created that run in. Read once, at import, because
+    starting a run removes MLFLOW_RUN_ID from the environment."""
+
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+
+
+def _launcher() -> Launcher | None:
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        return None
+    return Launcher(run_id, os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ.get("MLFLOW_EXPERIMENT_ID", "0"))
+
+
+LAUNCHER = _launcher()
 
 # Every process of the study talks to an http(s) server with these unless the
 # user set them: MLflow's own defaults (7 retries, exponential backoff, 120 s
@@ -64,11 +99,47 @@ def _uri_from_file(path: Path | None = None) -> str | None:
     return None
 
 
+def local_default() -> str:
+    """MLflow's local default store, pinned to the project folder: one record
+    whatever directory a step starts from."""
+    return f"sqlite:///{workspace.project_root() / 'mlflow.db'}"
+
+
+def _mlflow_defaults() -> set[str]:
+    """The URIs `mlflow run` hands its command when the user set none."""
+    out = set()
+    for folder in {Path.cwd().resolve(), workspace.project_root()}:
+        out |= {f"sqlite:///{folder / 'mlflow.db'}", f"file://{folder / 'mlruns'}"}
+    return out
+
+
+def _launcher_environment() -> dict[str, str] | None:
+    """The environment the `mlflow run` process itself started with (the user's),
+    where the system shows it: MLproject commands are one simple command, so
+    bash execs it and the parent of this process is `mlflow run`."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _users_uri() -> str | None:
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or None
+    if uri is None or LAUNCHER is None or uri != LAUNCHER.tracking_uri:
+        return uri
+    users = _launcher_environment()
+    if users is not None and "MLFLOW_RUN_ID" not in users:
+        return users.get("MLFLOW_TRACKING_URI") or None
+    # Elsewhere: mlflow run's own default is a local file of the folder it ran in.
+    return None if uri in _mlflow_defaults() else uri
+
+
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else mlruns_remote.txt (or the file COOPSTUDY_REMOTE_FILE
-    names), else MLflow's local default (an SQLite file, mlflow.db, in the project folder).
-    For a server, this process and those it starts get short HTTP retries."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or _uri_from_file()
+    """The study's store (see the module's docstring for the order). For a
+    server, this process and those it starts get short HTTP retries."""
+    uri = _users_uri() or _uri_from_file() or local_default()
+    os.environ["MLFLOW_TRACKING_URI"] = uri
     if uri:
         parts = urlsplit(uri)
         if parts.username or parts.password:
@@ -78,10 +149,7 @@ def tracking_uri() -> str:
             )
         if parts.scheme in ("http", "https"):
             use_http_defaults()
-        return uri
-    # MLflow's own default is SQLite in the working directory; pinning it to the
-    # project folder keeps one record whatever directory a step starts from.
-    return f"sqlite:///{workspace.project_root() / 'mlflow.db'}"
+    return uri
 
 
 def client():
@@ -91,18 +159,36 @@ def client():
 
 
 def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
+    """The experiment's id in the study's store, created (and tagged as a
+    training experiment for MLflow's UI) when it does not exist yet."""
     mlflow_client = client()
     exp = mlflow_client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return mlflow_client.create_experiment(name)
-    except Exception:
-        # Another process created it first.
+    if exp is None:
+        try:
+            mlflow_client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except Exception:  # noqa: BLE001 - another process created it first; looked up again below
+            pass
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
-            raise
-        return exp.experiment_id
+            raise UserError(f"experiment {name!r} could not be created in {tracking_uri()}")
+    if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        mlflow_client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def chosen_experiment() -> str | None:
+    """An experiment the user named outside the config: MLFLOW_EXPERIMENT_NAME,
+    or `mlflow run --experiment-name/--experiment-id` (the experiment `mlflow run`
+    created its run in, when that is not MLflow's Default). None otherwise."""
+    named = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if named:
+        return named
+    if LAUNCHER is None or LAUNCHER.experiment_id in ("", "0"):
+        return None
+    from mlflow import MlflowClient
+
+    exp = MlflowClient(tracking_uri=LAUNCHER.tracking_uri).get_experiment(LAUNCHER.experiment_id)
+    return exp.name
 
 
 def git_commit() -> str | None:

@@ -18,11 +18,20 @@ from coopstudy import config as config_mod
 from coopstudy.errors import UserError
 from coopstudy.record import outbox, schema, store
 
-# The run id that `mlflow run` hands its entry point. mlflow.start_run()
-# removes it from the environment, so it is read once, at import.
-_PROJECT_RUN_ID = os.environ.get("MLFLOW_RUN_ID")
+NOT_PARAMS = ("preset",)
+"""Config keys not logged as params. The preset is the tag schema.TAG_PRESET;
+`mlflow run -P preset=<file>` logs its entry point's own param `preset` as
+typed, which a config param of the same name (the file's short name) would
+contradict, and MLflow refuses a param that changes."""
+# The run `mlflow run` created for this entry point, not yet taken up by a stage.
+_launcher = store.LAUNCHER
 # A run id a parent process hands to the processes it starts (ranks, probes).
 ENV_RUN_ID = "COOPSTUDY_RUN_ID"
+
+
+def dataset_digest(sha256: str) -> str:
+    """A file's sha256 as an MLflow dataset digest (MLflow keeps at most 36 characters)."""
+    return sha256[:36]
 
 
 class Recorder:
@@ -73,28 +82,37 @@ class Recorder:
         self.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
 
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
-        """Rows as an MLflow table (shown in the UI's evaluation view)."""
-        columns: dict[str, list[Any]] = {}
-        for row in rows:
-            for key in row:
-                columns.setdefault(key, [])
-        for row in rows:
-            for key, col in columns.items():
-                col.append(row.get(key))
-        self._client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+        """Rows as an MLflow table (JSON, columns and data; shown in the UI's evaluation view)."""
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        data = [[row.get(key) for key in columns] for row in rows]
+        # Through JSON now, so what waits in the outbox is what the server gets.
+        self._outbox.send(json.loads(json.dumps({"op": "table", "artifact_file": artifact_file, "columns": columns, "data": data}, default=str)))
 
     def log_inputs(self, files: Mapping[str, tuple[str, str]], context: str = "training") -> None:
         """Prepared files as MLflow dataset inputs: name -> (sha256 digest, source path)."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
-        inputs = [
-            DatasetInput(
-                dataset=Dataset(name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": src, "sha256": digest})),
-                tags=[InputTag(key="mlflow.data.context", value=context)],
-            )
+        datasets = [
+            {
+                "name": name, "digest": dataset_digest(digest), "source_type": "local",
+                "source": json.dumps({"uri": src, "sha256": digest}), "tags": {"mlflow.data.context": context},
+            }
             for name, (digest, src) in files.items()
-        ]
-        self._client.log_inputs(self.run_id, datasets=inputs)
+        ]  # fmt: skip
+        self._outbox.send({"op": "inputs", "datasets": datasets})
+
+    def log_model(
+        self, name: str, metrics: Mapping[str, float], dataset: tuple[str, str], *, params: Mapping[str, str], tags: Mapping[str, str]
+    ) -> None:
+        """An MLflow logged model of this run (the Models view compares them), with
+        `metrics` linked to it and to `dataset` (name, sha256 of the file)."""
+        now = int(time.time() * 1000)
+        self._outbox.send(
+            {
+                "op": "model", "name": name, "model_type": "checkpoint",
+                "params": {k: str(v) for k, v in params.items()}, "tags": {k: str(v) for k, v in tags.items()},
+                "metrics": [[k, float(v), now, 0] for k, v in metrics.items()],
+                "dataset": [dataset[0], dataset_digest(dataset[1])],
+            }
+        )  # fmt: skip
 
     def record_commitment(self, kind: str, digest: str) -> None:
         self.set_tags({schema.TAG_COMMITMENT_PREFIX + kind: digest})
@@ -137,16 +155,19 @@ def stage_run(
     tags: Mapping[str, Any] | None = None,
     log_config: bool = True,
 ) -> Iterator[Recorder]:
-    """One tracked run of one stage.
+    """One tracked run of one stage, in the study's store and experiment.
 
-    It becomes the run that `mlflow run` created for this entry point when there
-    is one and nothing else is open, a child of the open run otherwise, and a
-    new top-level run elsewhere. It ends FINISHED on success and FAILED on any
+    A child of the open run when there is one (in the parent's experiment);
+    otherwise the run that `mlflow run` created for this entry point when that
+    run is in the study's store and experiment, and a new top-level run
+    elsewhere: then `mlflow run`'s run is left as a pointer to this one (tags
+    and a note naming its store and id, ended with the same status). It ends
+    FINISHED on success, KILLED on an interrupt and FAILED on any other
     exception, with the error kept as a tag and an artifact.
     """
     import mlflow
 
-    global _PROJECT_RUN_ID
+    global _launcher
     uri = store.tracking_uri()
     exp_name = cfg.experiment if cfg is not None else store.DEFAULT_EXPERIMENT
     if store.is_http(uri):
@@ -154,21 +175,22 @@ def stage_run(
         # may not write stop the stage here, in seconds, with one line.
         outbox.preflight(uri, exp_name)
     mlflow.set_tracking_uri(uri)
-    exp_id = store.experiment_id(exp_name)
     parent = mlflow.active_run()
-    adopt = _PROJECT_RUN_ID if parent is None else None
-    _PROJECT_RUN_ID = None
+    exp_id = parent.info.experiment_id if parent is not None else store.experiment_id(exp_name)
+    launched, _launcher = (_launcher if parent is None else None), (None if parent is None else _launcher)
+    adopt = launched is not None and launched.tracking_uri == uri and launched.experiment_id == exp_id
     # start_run(run_id=...) leaves MLFLOW_RUN_ID set, and every later
     # start_run() would resume the project run instead of opening a child.
     os.environ.pop("MLFLOW_RUN_ID", None)
     name = run_name or "-".join(p for p in (stage, arm, cfg.preset if cfg else None) if p)
     active = mlflow.start_run(
-        run_id=adopt,
+        run_id=launched.run_id if adopt else None,
         experiment_id=None if adopt else exp_id,
         run_name=None if adopt else name,
         nested=parent is not None,
     )
     rec = Recorder(active.info.run_id)
+    pointer = _Pointer(launched, uri, rec.run_id, name) if launched is not None and not adopt else None
     try:
         all_tags = _base_tags(stage, cfg, arm) | _pending_tags.get() | {k: str(v) for k, v in (tags or {}).items()}
         _pending_tags.set({})
@@ -176,19 +198,56 @@ def stage_run(
             all_tags["mlflow.runName"] = name
         rec.set_tags(all_tags)
         if cfg is not None and log_config:
-            rec.log_params(config_mod.flatten(cfg))
+            rec.log_params({k: v for k, v in config_mod.flatten(cfg).items() if k not in NOT_PARAMS})
             rec.log_text(config_mod.to_yaml(cfg), schema.ART_CONFIG)
         yield rec
     except BaseException as err:
         _record_failure(rec, err)
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         delivered = _end(rec, status)
+        if pointer is not None:
+            pointer.end(status)
         if outbox.is_outage(err):
             waits = "" if delivered else f"; what it could not record waits in {outbox.outbox_dir()} (`python -m coopstudy remote deliver` sends it)"
             raise UserError(f"the tracking server {uri} stopped answering ({outbox.reason(err)}); run {rec.run_id} ended {status}{waits}") from err
         raise
     else:
         _end(rec, "FINISHED")
+        if pointer is not None:
+            pointer.end("FINISHED")
+
+
+class _Pointer:
+    """`mlflow run`'s run when the study records elsewhere (another store or
+    experiment): a short run that names the real one, so nothing of the study
+    is silently split between two records."""
+
+    def __init__(self, launched: store.Launcher, uri: str, run_id: str, name: str):
+        from mlflow import MlflowClient
+
+        self.client, self.launched = MlflowClient(tracking_uri=launched.tracking_uri), launched
+        self.client.log_batch(
+            launched.run_id,
+            tags=[
+                _tag(schema.TAG_RECORD_URI, uri),
+                _tag(schema.TAG_RECORD_RUN, run_id),
+                _tag("mlflow.runName", f"{name} (pointer)"),
+                _tag(
+                    "mlflow.note.content",
+                    f"This run only points to the study's record: run `{run_id}` in the store `{uri}`. "
+                    "Every param, metric and artifact of this step is there.",
+                ),
+            ],
+        )
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.launched.run_id, status)
+
+
+def _tag(key: str, value: str):
+    from mlflow.entities import RunTag
+
+    return RunTag(key, value)
 
 
 def _end(rec: Recorder, status: str) -> bool:

@@ -11,6 +11,7 @@ from coopstudy import scoring
 from coopstudy.commit import ledger, require
 from coopstudy.config import Config
 from coopstudy.errors import UserError
+from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 
@@ -61,6 +62,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             scoring.check_tokenizer(tokenizers[name], tokenizers["seed"], name)
             scoring.check_weights(path, name)
 
+        files = prepared.manifest["files"]
+        read = {n: (files[n]["sha256"], str(prepared.folder / n)) for n in (data.TEST, data.RETENTION)}
         for name, (path, sha) in models.items():
             tokenizer = tokenizers[name]
             model = scoring.load_model(path, name, tokenizer)
@@ -71,7 +74,13 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 tags=plan_tags | {schema.TAG_MODEL: name, schema.TAG_CHECKPOINT_SHA: sha},
             ) as child:
                 scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
+                child.log_inputs(read, context="evaluation")
                 child.log_metrics(scored.metrics)
+                # The Models view compares the three on the final test.
+                child.log_model(
+                    name, scored.metrics, (data.TEST, files[data.TEST]["sha256"]),
+                    params={"weights_sha256": sha, "weights": str(path)}, tags={schema.TAG_MODEL: name},
+                )
                 child.log_table(scored.cases, schema.ART_TEST_TABLE)
                 child.log_table(scored.retention, schema.ART_RETENTION_TABLE)
             results[name] = scored.metrics

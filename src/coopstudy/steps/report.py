@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,25 @@ def _print(report: dict[str, Any], folder: Path) -> None:
     console.print(f"report written to {folder}", soft_wrap=True)
 
 
+NOTE_TAG = "mlflow.note.content"
+"""The run tag MLflow's UI shows as the run's description (markdown)."""
+
+
+NOTE_LIMIT = 8000
+"""MLflow's longest tag value."""
+
+
+def _note(markdown: str) -> str:
+    if len(markdown) <= NOTE_LIMIT:
+        return markdown
+    tail = f"\n\n... (cut here: the whole report is {schema.ART_REPORT_MD} among this run's artifacts)"
+    return markdown[: NOTE_LIMIT - len(tail)] + tail
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
 def run(cfg: Config, args: argparse.Namespace) -> int:
     _make_analysis_importable()
     from analysis import records as records_mod
@@ -105,14 +126,24 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         report = rep.build(records, screens, cfg)
         folder = Path(out) if out else workspace.home() / "reports" / records.key.folder
         folder.mkdir(parents=True, exist_ok=True)
+        plots = rep.figures(records, report)
+        markdown = rep.to_markdown(report)
         files = {
             schema.ART_REPORT_JSON: rep.dumps(report),
-            schema.ART_REPORT_MD: rep.to_markdown(report),
-            schema.ART_REPORT_HTML: rep.to_html(report, rep.figures(records, report)),
+            schema.ART_REPORT_MD: markdown,
+            schema.ART_REPORT_HTML: rep.to_html(report, plots),
         }
         for name, text in files.items():
             (folder / name).write_text(text)
             rec.log_artifact(folder / name)
+        # The figures as images of the run too, not only inside the HTML.
+        (folder / schema.ART_FIGURES).mkdir(exist_ok=True)
+        for title, png in plots.items():
+            image = folder / schema.ART_FIGURES / f"{_slug(title)}.png"
+            image.write_bytes(base64.b64decode(png))
+        rec.log_artifact(folder / schema.ART_FIGURES, schema.ART_FIGURES)
+        # What the run page shows first: the report itself.
+        rec.set_tags({NOTE_TAG: _note(markdown)})
         rec.log_metrics(_key_metrics(screens))
         rec.set_tags(
             {schema.TAG_VERDICT_PREFIX + group: verdict for group, verdict in report["verdicts"].items()}

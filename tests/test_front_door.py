@@ -1,0 +1,137 @@
+"""`mlflow run` is the front door: typed as the README types it, in a fresh
+copy of the project with no MLflow or coopstudy variables set, every run of a
+step lands in one experiment of one store, whichever way the step started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from fixtures import ROOT, Server, checkout_copy
+
+from coopstudy import config
+from coopstudy.record import schema, store
+
+pytestmark = pytest.mark.slow
+MLPROJECT_PARAMS = ("preset", "overrides", "arm")
+
+
+class Project:
+    """A fresh copy of the project, used as a new user uses it: from its folder,
+    with the environment's `mlflow` and no tracking variables."""
+
+    def __init__(self, root: Path, seed_home: Path):
+        self.root = root
+        # A fresh clone makes the tiny seed in its first prepare; this copies it in.
+        shutil.copytree(seed_home, root / ".coopstudy")
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "COOPSTUDY_HOME"}
+        self.env |= {
+            "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root}",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        }
+
+    def run(self, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def mlflow_run(self, entry: str, *args: str) -> subprocess.CompletedProcess:
+        done = self.run("mlflow", "run", ".", "-e", entry, "--env-manager", "local", *args)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    @property
+    def local(self) -> mlflow.MlflowClient:
+        return mlflow.MlflowClient(tracking_uri=f"sqlite:///{self.root / 'mlflow.db'}")
+
+
+def _runs(client: mlflow.MlflowClient, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+@pytest.fixture
+def project(tmp_path, tiny_seed_home) -> Project:
+    return Project(checkout_copy(tmp_path / "project"), tiny_seed_home)
+
+
+def test_prepare_twice_through_mlflow_run_records_two_runs_in_the_study_experiment(project):
+    for _ in range(2):
+        project.mlflow_run("prepare", "-P", "preset=tiny")
+    prepares = _runs(project.local, "coopstudy")
+    assert [r.info.status for r in prepares] == ["FINISHED", "FINISHED"]
+    assert len({r.data.tags[schema.TAG_INPUTS] for r in prepares}) == 1
+    exp = project.local.get_experiment_by_name("coopstudy")
+    assert exp.tags[store.EXPERIMENT_KIND_TAG] == store.EXPERIMENT_KIND
+    # What `mlflow run` made in Default is a pointer to each real run, nothing more.
+    pointers = _runs(project.local, "Default")
+    assert sorted(p.data.tags[schema.TAG_RECORD_RUN] for p in pointers) == sorted(r.info.run_id for r in prepares)
+    assert all(p.info.status == "FINISHED" and not p.data.metrics for p in pointers)
+    assert all(p.data.tags[schema.TAG_RECORD_RUN] in p.data.tags["mlflow.note.content"] for p in pointers)
+    # The study's files are the project's own.
+    assert (project.root / ".coopstudy" / "ledger.jsonl").is_file()
+
+
+def test_a_preset_file_and_an_experiment_named_to_mlflow_run(project, tmp_path):
+    preset = tmp_path / "my-preset.yaml"
+    shutil.copy(project.root / "configs" / "tiny.yaml", preset)
+    project.mlflow_run("prepare", "--experiment-name", "mine", "-P", f"preset={preset}")
+    (run,) = _runs(project.local, "mine")
+    # Named to mlflow run, the experiment is the study's: its run is the record itself.
+    assert run.info.status == "FINISHED" and schema.TAG_RECORD_RUN not in run.data.tags
+    assert run.data.params["preset"] == str(preset) and run.data.tags[schema.TAG_PRESET] == "my-preset"
+    assert not _runs(project.local, "coopstudy")
+
+
+def test_no_entry_point_parameter_is_also_a_config_param():
+    from coopstudy.record import writer
+
+    logged = {k for k in config.flatten(config.load("tiny")) if k not in writer.NOT_PARAMS}
+    mlproject = (ROOT / "MLproject").read_text()
+    declared = {name for name in MLPROJECT_PARAMS if f"{name}:" in mlproject}
+    assert declared == set(MLPROJECT_PARAMS)
+    assert not declared & logged
+
+
+def test_two_projects_sharing_one_environment_keep_their_own_study_files(project, tmp_path, tiny_seed_home):
+    other = Project(checkout_copy(tmp_path / "other"), tiny_seed_home)
+    # The other copy runs this copy's package: one environment, two projects.
+    other.env["PYTHONPATH"] = project.env["PYTHONPATH"]
+    for p in (project, other):
+        done = p.run(sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny")
+        assert done.returncode == 0, done.stderr[-3000:]
+    for p in (project, other):
+        ledger = (p.root / ".coopstudy" / "ledger.jsonl").read_text().splitlines()
+        assert len(ledger) == 1 and (p.root / "mlflow.db").is_file()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("front-door-server"))
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_train_through_mlflow_run_records_on_the_server_named_in_the_project(project, server):
+    (project.root / "mlruns_remote.txt").write_text(f"# the study's shared record\n{server.uri}\n")
+    project.mlflow_run("train", "-P", "preset=tiny", "-P", "arm=control")
+    runs = _runs(server.client(), "coopstudy")
+    stages = sorted(r.data.tags[schema.TAG_STAGE] for r in runs)
+    probes = ["probe"] * (1 + len(config.load("tiny").probe.candidates))
+    assert stages == sorted(["study", "prepare", "verify", *probes, "plan", "train"]), stages
+    assert all(r.info.status == "FINISHED" for r in runs if r.data.tags.get(schema.TAG_PROBE_OUTCOME) != "out_of_memory")
+    parent = next(r for r in runs if r.data.tags[schema.TAG_STAGE] == "study")
+    steps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert {r.data.tags[schema.TAG_STAGE] for r in steps} == {"prepare", "verify", "probe", "plan", "train"}
+    (train,) = [r for r in runs if r.data.tags[schema.TAG_STAGE] == "train"]
+    assert list(server.artifacts.rglob(f"{train.info.run_id}/artifacts/{schema.ART_CHECKPOINT}/model.safetensors"))
+    # The local store holds only the pointer `mlflow run` made, naming the study's run on the server.
+    local = [r for e in project.local.search_experiments() for r in project.local.search_runs([e.experiment_id])]
+    assert [(r.data.tags[schema.TAG_RECORD_URI], r.data.tags[schema.TAG_RECORD_RUN]) for r in local] == [(server.uri, parent.info.run_id)]
