@@ -157,9 +157,9 @@ def test_the_record_is_native_in_mlflow(first, copy):
     client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("coopstudy")
     assert exp.tags[store.EXPERIMENT_KIND_TAG] == store.EXPERIMENT_KIND
-    (report,) = copy.runs("report")
-    folder = Path(copy.env["COOPSTUDY_HOME"]) / "reports"
-    [md] = folder.glob(f"*/{schema.ART_REPORT_MD}")
+    report = copy.runs("report")[0]
+    md = Path(mlflow.artifacts.download_artifacts(run_id=report.info.run_id, artifact_path=schema.ART_REPORT_MD,
+                                                  tracking_uri=copy.env["MLFLOW_TRACKING_URI"]))  # fmt: skip
     assert report.data.tags["mlflow.note.content"] == md.read_text()
     figures = [f.path for f in client.list_artifacts(report.info.run_id, schema.ART_FIGURES)]
     assert figures and all(f.endswith(".png") for f in figures)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import mlflow
 import pytest
 
@@ -89,3 +92,22 @@ def test_readme_documents_every_name_of_the_record():
     assert found == 1
     with pytest.raises(ValueError, match="TAG_STAGE has no docstring"):
         schema.names(undocumented)
+
+
+def test_tables_inputs_and_models_go_through_the_outbox_and_land_once():
+    cfg = config.load("tiny")
+    with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
+        for _ in range(2):  # a record delivered twice must not double anything
+            rec.log_table([{"case_id": "a", "score": 1.0}, {"case_id": "b", "score": 0.5}], schema.ART_TEST_TABLE)
+            rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={"weights_sha256": "cd" * 32}, tags={})
+        rec.log_inputs({"test.jsonl": ("ab" * 32, "/x/test.jsonl")}, context="evaluation")
+    client = mlflow.MlflowClient()
+    run = client.get_run(rec.run_id)
+    table = json.loads(Path(client.download_artifacts(rec.run_id, schema.ART_TEST_TABLE)).read_text())
+    assert table == {"columns": ["case_id", "score"], "data": [["a", 1.0], ["b", 0.5]]}
+    assert {"path": schema.ART_TEST_TABLE, "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["test.jsonl"]
+    (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert model.name == "control" and model.params["weights_sha256"] == "cd" * 32
+    (metric,) = model.metrics
+    assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36])

@@ -1,15 +1,9 @@
-"""Probes: a few updates of the real training loop per candidate setting,
-each candidate in its own process(es), each leaving a receipt.
-
-Two halves:
-- inside a training process (`python -m coopstudy worker --probe`),
-  `RankProbe` holds the process to the device's capacity and, however the
-  process ends, writes what it measured to the candidate's run (through the
-  tracking store, so a rank on a second host reports the same way);
-- in the stage, `make_receipt` turns those rank reports and the launch's exit
-  into the receipt (setting, outcome, update seconds, memory, versions,
-  hashes), and `choose` reduces the receipts to the largest microbatch that
-  completed per arm and allocator.
+"""A probe's half inside a training process (`python -m coopstudy worker
+--probe`): `RankProbe` holds the process to the device's capacity and,
+however the process ends, writes what it measured to the candidate's run
+(through the tracking store, so a rank on a second host reports the same
+way). The stage's half, the receipt made of those reports, is
+coopstudy.commit.receipts.
 
 Capacity on CPU. One emulated device is one core and `capacity_mb` of host
 memory. The process's peak resident set is compared with it during every
