@@ -10,7 +10,7 @@ import pytest
 
 from coopstudy import config, workspace
 from coopstudy.errors import UserError
-from coopstudy.record import schema, store, writer
+from coopstudy.record import outbox, schema, store, writer
 
 
 def test_uri_precedence(monkeypatch, tmp_path):
@@ -94,18 +94,25 @@ def test_readme_documents_every_name_of_the_record():
         schema.names(undocumented)
 
 
-def test_tables_inputs_and_models_go_through_the_outbox_and_land_once():
+def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatch):
     cfg = config.load("tiny")
+    sent: list[dict] = []
+    deliver = outbox.apply
+    monkeypatch.setattr(outbox, "apply", lambda client, run_id, record: (sent.append(record), deliver(client, run_id, record)))
     with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
-        for _ in range(2):  # a record delivered twice must not double anything
-            rec.log_table([{"case_id": "a", "score": 1.0}, {"case_id": "b", "score": 0.5}], schema.ART_TEST_TABLE)
-            rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={"weights_sha256": "cd" * 32}, tags={})
+        rec.log_table([{"case_id": "a", "score": 1.0}, {"case_id": "b", "score": 0.5}], schema.ART_TEST_TABLE)
+        rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={"weights_sha256": "cd" * 32}, tags={})
         rec.log_inputs({"test.jsonl": ("ab" * 32, "/x/test.jsonl")}, context="evaluation")
-    client = mlflow.MlflowClient()
+        # Delivered again (an outbox replayed after an outage): nothing doubles.
+        client = mlflow.MlflowClient()
+        replayed = [r for r in sent if r["op"] in ("table", "model", "inputs")]
+        assert [r["op"] for r in replayed] == ["table", "model", "inputs"]
+        for record in replayed:
+            deliver(client, rec.run_id, record)
     run = client.get_run(rec.run_id)
     table = json.loads(Path(client.download_artifacts(rec.run_id, schema.ART_TEST_TABLE)).read_text())
     assert table == {"columns": ["case_id", "score"], "data": [["a", 1.0], ["b", 0.5]]}
-    assert {"path": schema.ART_TEST_TABLE, "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": schema.ART_TEST_TABLE, "type": "table"}]
     assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["test.jsonl"]
     (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
     assert model.name == "control" and model.params["weights_sha256"] == "cd" * 32
