@@ -8,7 +8,7 @@ PRESET ?= smollm2-135m-cpu
 # torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: env study test
+.PHONY: env study test gpu-check
 
 env: $(VENV)/.installed
 
@@ -29,3 +29,7 @@ study: env
 
 test: env
 	$(PY) -m pytest -q
+
+# The CUDA path on one GPU in under five minutes (scripts/gpu_check.py); without CUDA it says so and exits 0.
+gpu-check: env
+	$(PY) scripts/gpu_check.py

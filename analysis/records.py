@@ -1,6 +1,7 @@
 """The record of one study, read back from MLflow into tidy tables.
 
-Only reads: run search, metric histories and table artifacts. One study is the
+Only reads: run search, metric histories, table artifacts and the manifest of
+the prepare run whose inputs the train runs required. One study is the
 set of runs that carry one plan sha (`--plan`) or, before a plan exists, one
 config sha. Of the selection and of each evaluated model the newest FINISHED
 run counts; of each train arm, the run whose weights the selection names (the
@@ -18,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 
+from coopstudy.commit import sources
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store
@@ -103,6 +105,10 @@ class Records:
     """One row per model and test case: model, run_id, case_id, family, score, correct."""
     retention: pd.DataFrame
     """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
+    inputs: dict[str, Any] | None = None
+    """What the prepare run that made the train runs' inputs says of them
+    (INPUT_SECTIONS of its manifest, its run id and the inputs sha); None when
+    the record holds no such run."""
 
 
 def train_role(arm: str) -> str:
@@ -284,13 +290,63 @@ def _check_paired(frame: pd.DataFrame, id_column: str, what: str) -> None:
             raise RefusedError(f"{what}: the models were scored on different token counts for the same documents")
 
 
+INPUT_SECTIONS = ("conversations", "split", "checks", "counts")
+"""The parts of the prepare run's manifest the report states: where replay and
+retention come from, how they were split, the overlap checks, the counts."""
+
+
+def _inputs(train_runs: dict[str, Any], experiment: str) -> dict[str, Any] | None:
+    """The manifest sections of the prepare run that committed the inputs both
+    train runs required, or None when the record does not hold it."""
+    shas = {run.data.tags.get(schema.TAG_REQUIRES_PREFIX + "inputs") for run in train_runs.values()}
+    if len(shas) != 1 or None in shas:
+        return None
+    sha = shas.pop()
+    if not _SHA.match(sha):
+        return None
+    run = _newest_finished(experiment, {schema.TAG_STAGE: schema.STAGE_PREPARE, schema.TAG_INPUTS: sha})
+    if run is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
+        try:
+            manifest = json.loads(store.download_artifact(run.info.run_id, schema.ART_MANIFEST, tmp).read_text())
+        except Exception:  # noqa: BLE001 - a prepare run without its manifest says nothing
+            return None
+    return {"sha256": sha, "prepare_run": run.info.run_id} | {k: manifest.get(k) for k in INPUT_SECTIONS}
+
+
+def check_plan_sources(experiment: str, plan_sha: str) -> None:
+    """Refuse, naming the files, when a source the plan binds (every file that
+    decides a number, analysis/ included) differs from the committed one: the
+    screens are computed by the code the plan fixed before scoring."""
+    run = _newest_finished(experiment, {schema.TAG_STAGE: schema.STAGE_PLAN, schema.TAG_PLAN: plan_sha})
+    if run is None:
+        raise RefusedError(f"plan {plan_sha[:12]}: no FINISHED plan run in experiment {experiment!r} holds it; the sources it binds cannot be checked")
+    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
+        try:
+            doc = json.loads(store.download_artifact(run.info.run_id, schema.ART_PLAN, tmp).read_text())
+        except Exception as err:  # noqa: BLE001 - any store error means the same thing here
+            raise RefusedError(f"plan run {run.info.run_id} has no artifact {schema.ART_PLAN} ({type(err).__name__})") from None
+    changed = sources.changed_sources(doc.get("sources", {}).get("files", {}))
+    if changed:
+        raise RefusedError(
+            f"changed since the plan {plan_sha[:12]} was committed: source {', '.join(changed)}; "
+            "the screens are computed by the planned code: restore it, or rerun the study and commit a new plan"
+        )
+
+
 def load(cfg: Config, plan: str | None = None) -> Records:
-    """The study's record; refuses when a role's run is missing or inconsistent."""
+    """The study's record; refuses when a role's run is missing or inconsistent,
+    or a source the study's plan binds has changed."""
     key = study_key(cfg, plan)
+    if key.kind == "plan":
+        check_plan_sources(cfg.experiment, key.value)
     client = _client()
     runs = _find_runs(client, cfg.experiment, key)
     _check_one_study(runs, cfg)
     plan_sha = _plan_of(runs, key)
+    if plan_sha and key.kind != "plan":
+        check_plan_sources(cfg.experiment, plan_sha)
 
     select = runs[SELECT_ROLE]
     candidates = {}
@@ -320,4 +376,5 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         train=train,
         cases=cases,
         retention=retention,
+        inputs=_inputs(train_runs, cfg.experiment),
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 from analysis import screens as sc
 from analysis.records import MODELS, Records
-from coopstudy.config import Config
+from coopstudy.config import ARMS, Config
 from coopstudy.record import store
 
 SCHEMA = 1
@@ -26,6 +26,15 @@ SCHEMA = 1
 NO_DENSE_ARM = (
     "There is no dense distributed arm: the bytes above are the compressed arm's own, by phase, "
     "and are not set against any dense-communication figure."
+)
+BYTES_NOTE = (
+    "Bytes per worker are rank 0's collective payload, as the record's bytes/* metrics hold it; "
+    "every rank of the gradient collectives moves a payload of the same size, so all workers together move "
+    "the workers' count times it."
+)
+POWER_NOTE = (
+    "Sensitivity says what each screen could detect at this size; a PASS without power "
+    "(power: no) says the rule held, not that the data could have shown otherwise."
 )
 DEVICE_SECONDS_NOTE = (
     "Device-seconds are allocated devices x complete-process seconds; faster parallel execution "
@@ -106,7 +115,8 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
             "thresholds": cfg.screens.model_dump(),
             "verdicts": sc.verdicts(screens),
             "screens": [s.to_dict() for s in screens],
-            "resources": sc.resources(records.train),
+            "resources": sc.resources(records.train, {arm: cfg.arm(arm).workers for arm in ARMS}),
+            "inputs": records.inputs,
             "training": _training(records),
             "accuracy": _accuracy(records),
             "retention_nll": _retention_nll(records),
@@ -157,10 +167,26 @@ def _rule(s: dict[str, Any]) -> str:
     return f"{s['decided_on']} {s['comparison']} {fmt(s['threshold'], s['unit'])}"
 
 
+def power_cell(s: dict[str, Any]) -> str:
+    """yes, no (and why), or n/a where a screen has no power figure."""
+    if s.get("powered") is None:
+        return "n/a"
+    return "yes" if s["powered"] else f"no: {s['power_note']}"
+
+
 def screen_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["#", "screen", "estimate", "interval / bound (beside)", "rule", "verdict"]
+    headers = ["#", "screen", "estimate", "interval / bound (beside)", "rule", "sensitivity at this size", "power", "verdict"]
     rows = [
-        [str(i), s["title"], fmt(s["estimate"], s["unit"]), _screen_bounds(s), _rule(s), s["verdict"].upper()]
+        [
+            str(i),
+            s["title"],
+            fmt(s["estimate"], s["unit"]),
+            _screen_bounds(s),
+            _rule(s),
+            s.get("sensitivity", {}).get("note", "n/a"),
+            power_cell(s),
+            s["verdict"].upper(),
+        ]
         for i, s in enumerate(report["screens"], start=1)
     ]
     return headers, rows
@@ -177,13 +203,17 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("complete-process seconds", "complete_seconds", 1),
         ("device-seconds", "device_seconds", 1),
         ("checkpoint seconds", "checkpoint_seconds", 1),
-        ("bytes sent, dense phase", "bytes_dense", 0),
-        ("bytes sent, compressed phase", "bytes_compressed", 0),
-        ("bytes sent, total", "bytes_total", 0),
+        ("bytes sent per worker (rank 0), dense phase", "bytes_dense", 0),
+        ("bytes sent per worker (rank 0), compressed phase", "bytes_compressed", 0),
+        ("bytes sent per worker (rank 0), total", "bytes_total", 0),
+        ("bytes sent, all workers, dense phase", "bytes_dense_all_workers", 0),
+        ("bytes sent, all workers, compressed phase", "bytes_compressed_all_workers", 0),
+        ("bytes sent, all workers, total", "bytes_total_all_workers", 0),
+        ("workers", "workers", 0),
         ("spent cost (USD)", "cost_usd", 2),
         ("peak RSS (MB)", "peak_rss_mb", 0),
     ]
-    rows = [[label, _count(arms["control"][key], d), _count(arms["compressed"][key], d)] for label, key, d in lines]
+    rows = [[label, _count(arms["control"].get(key), d), _count(arms["compressed"].get(key), d)] for label, key, d in lines]
     ratio = report["resources"]["device_seconds_ratio"]
     rows.append(["device-seconds, compressed / control", "", "n/a" if ratio is None else f"{ratio:.3f}"])
     return ["figure (decides nothing)", "control", "compressed"], rows
@@ -240,7 +270,55 @@ def _title(report: dict[str, Any]) -> str:
 
 def _verdict_line(report: dict[str, Any]) -> str:
     v = report["verdicts"]
-    return f"Quality verdict: {v['quality'].upper()}. Speed verdict: {v['speed'].upper()}."
+    return " ".join([f"Quality verdict: {v['quality'].upper()}. Speed verdict: {v['speed'].upper()}.", *_unpowered(report)])
+
+
+def _unpowered(report: dict[str, Any]) -> list[str]:
+    """One sentence per screen that passed without the power to mean it."""
+    return [
+        f"Screen {i} ({s['title']}) passed without power: {s['power_note']}."
+        for i, s in enumerate(report["screens"], start=1)
+        if s["verdict"] == "pass" and s.get("powered") is False
+    ]
+
+
+_OVERLAP = {
+    "retention_ids_in_replay": "shared ids",
+    "retention_in_replay": "identical conversations",
+    "replay_sharing_topic_with_retention": "shared topics",
+    "replay_sharing_13gram_with_retention": "replay documents sharing a word 13-gram",
+    "replay_sharing_long_message_with_retention": "replay documents sharing a 40+ character message",
+}
+
+
+def inputs_lines(report: dict[str, Any]) -> list[str]:
+    """Where replay and retention come from, how many, and the overlap check, in words."""
+    inputs = report.get("inputs")
+    if not inputs or not inputs.get("split"):
+        return ["The record holds no prepare run with the manifest of these inputs: their sources and overlap check are not stated."]
+    info, split, checks, counts = inputs["conversations"], inputs["split"], inputs["checks"] or {}, inputs["counts"] or {}
+    source = info["source"]
+    made = info.get("package") or source
+    digest = f", sha256 {info['sha256'][:12]}" if info.get("sha256") else ""
+    topics = split.get("retention_topics") or []
+    held = (
+        f"{split['retention_groups']} held-out topics ({'; '.join(topics)})"
+        if topics
+        else f"{split['retention_groups']} held-out groups"
+    )
+    named = [k for k in _OVERLAP if k in checks] + sorted(k for k in checks if k not in _OVERLAP and k != "test_questions_in_training")
+    overlap = ", ".join(f"{_OVERLAP.get(k, k)} {checks[k]}" for k in named)
+    return [
+        f"Replay: {split['replay']} conversations from {source} ({made}{digest}; {info.get('usable', '?')} usable), "
+        f"{split.get('replay_topics', '?')} topics; trained at data.replay_weight.",
+        f"Retention probes: {split['retention']} conversations from {source}, drawn from {held} that replay never shows; "
+        f"scored only, never trained on.",
+        f"Overlap check, probes against replay (each must be 0): {overlap}; "
+        f"{split['replay_skipped_for_overlap']} replay candidates skipped for shared text. Rule: {split.get('overlap_rule', '')}.",
+        f"Training documents {counts.get('train', '?')} ({counts.get('tasks', '?')} tasks, {counts.get('replay', '?')} replay); "
+        f"final test {counts.get('test', '?')} cases, {checks.get('test_questions_in_training', '?')} of them in training. "
+        f"Inputs sha256 {inputs['sha256'][:12]} (prepare run {inputs['prepare_run']}).",
+    ]
 
 
 def _methods(report: dict[str, Any]) -> list[str]:
@@ -257,11 +335,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"**{_verdict_line(report)}** The quality verdict needs screens 1-3, the speed verdict screens 4-5.",
         "## Screens (pre-registered)",
         _md_table(*screen_rows(report)),
+        POWER_NOTE,
         "### Methods and inputs",
         "\n".join(_methods(report)),
         "## Beside the screens",
         _md_table(*resource_rows(report)),
-        DEVICE_SECONDS_NOTE + " " + NO_DENSE_ARM,
+        DEVICE_SECONDS_NOTE + " " + BYTES_NOTE + " " + NO_DENSE_ARM,
+        "## Replay and retention probes",
+        "\n".join(f"- {line}" for line in inputs_lines(report)),
         "## Accuracy per family",
         _md_table(*accuracy_rows(report)),
         "## Paired outcomes of the non-inferiority test",
@@ -374,13 +455,18 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         f"<style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(_title(report))}</h1>",
         f"<p><strong>{verdicts}</strong></p>",
+        *(f"<p>{html.escape(line)}</p>" for line in _unpowered(report)),
         "<h2>Screens (pre-registered)</h2>",
         _html_table(*screen_rows(report)),
+        f"<p>{html.escape(POWER_NOTE)}</p>",
         "<h3>Methods and inputs</h3><ol>",
         *(f"<li>{html.escape(m.split('. ', 1)[1])}</li>" for m in _methods(report)),
         "</ol><h2>Beside the screens</h2>",
         _html_table(*resource_rows(report)),
-        f"<p>{html.escape(DEVICE_SECONDS_NOTE)} {html.escape(NO_DENSE_ARM)}</p>",
+        f"<p>{html.escape(DEVICE_SECONDS_NOTE)} {html.escape(BYTES_NOTE)} {html.escape(NO_DENSE_ARM)}</p>",
+        "<h2>Replay and retention probes</h2><ul>",
+        *(f"<li>{html.escape(line)}</li>" for line in inputs_lines(report)),
+        "</ul>",
         "<h2>Accuracy per family</h2>",
         _html_table(*accuracy_rows(report)),
         "<h2>Paired outcomes of the non-inferiority test</h2>",

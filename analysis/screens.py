@@ -2,9 +2,11 @@
 
 Pure functions: the tables of `analysis.records` in, `Screen` results out, no
 I/O. Each result carries its estimate, the bound or interval its verdict rests
-on, the threshold, the method in words and the run ids of its inputs. The
-quality verdict needs all three quality screens, the speed verdict both speed
-screens; cost figures (`resources`) sit beside them and decide nothing.
+on, the threshold, the method in words and the run ids of its inputs, and its
+sensitivity: what the screen could detect at this size, and whether a PASS had
+the power to mean anything (`powered`; False reads "no power" in the report).
+The quality verdict needs all three quality screens, the speed verdict both
+speed screens; cost figures (`resources`) sit beside them and decide nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pandas as pd
+from scipy import stats as sps
 
 from analysis import stats
 from coopstudy.config import ScreensConfig
@@ -31,6 +34,9 @@ COMPLETE_SPEEDUP = "complete_speedup"
 POINTS, NATS, RATIO = "points", "nats", "ratio"
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<": operator.lt}
+
+POWER = 0.8
+"""The power the sensitivity figures are quoted at."""
 
 
 @dataclass(frozen=True)
@@ -55,15 +61,31 @@ class Screen:
     """The two-sided interval, where the method gives one."""
     details: dict[str, Any] = field(default_factory=dict)
     """Figures shown beside: the other interval, counts, the other estimator."""
+    sensitivity: dict[str, Any] = field(default_factory=dict)
+    """What the screen could detect at this size (half-widths, the breakpoint,
+    the bound's distance from the mean) and `note`, the same in words."""
+    powered: bool | None = None
+    """Whether the screen had the power for its verdict to say something (the
+    rule per screen is in `power_note`); None: not defined (one run per arm)."""
+    power_note: str = ""
+    """Why it has or has not the power, in words."""
 
     @property
     def verdict(self) -> str:
         return "pass" if self.passed else "fail"
 
+    @property
+    def verdict_reads(self) -> str:
+        """The verdict as the report prints it: a PASS without power says so."""
+        if self.passed and self.powered is False:
+            return f"PASS (no power: {self.power_note})"
+        return self.verdict.upper()
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["interval"] = list(self.interval) if self.interval is not None else None
         out["verdict"] = self.verdict
+        out["verdict_reads"] = self.verdict_reads
         return out
 
 
@@ -106,6 +128,127 @@ def _accuracy_details(table: stats.PairedTable, a: str, b: str, newcombe: stats.
     }
 
 
+# --- sensitivity ---------------------------------------------------------------
+
+
+def _pts(x: float) -> str:
+    return f"{100 * x:+.1f} pts"
+
+
+def gain_sensitivity(
+    table: stats.PairedTable, tango: stats.Interval, newcombe: stats.Interval, threshold: float
+) -> tuple[dict[str, Any], bool, str]:
+    """The accuracy-gain screen passes on its point estimate: the interval's
+    half-width, the estimate's standard error and the band of true gains where
+    the verdict is a coin toss (it passes with probability POWER only from
+    threshold + z se, fails so only below threshold - z se). A PASS has power
+    when the interval excludes no gain (Tango's lower limit above 0)."""
+    se = stats.paired_se(table)
+    z = float(sps.norm.ppf(POWER))
+    half = (tango.upper - tango.lower) / 2
+    sens = {
+        "half_width": half,
+        "newcombe_half_width": (newcombe.upper - newcombe.lower) / 2,
+        "se": se,
+        "lower_minus_threshold": tango.lower - threshold,
+        "pass_likely_above": threshold + z * se,
+        "fail_likely_below": threshold - z * se,
+        "power": POWER,
+        "note": f"±{100 * half:.1f} pts; passes w.p. {POWER:.0%} from a true {_pts(threshold + z * se)}",
+    }
+    powered = tango.lower > 0
+    why = (
+        f"Tango's lower limit {_pts(tango.lower)} is above no gain"
+        if powered
+        else f"the interval [{_pts(tango.lower)}, {_pts(tango.upper)}] includes no gain"
+    )
+    return sens, powered, why
+
+
+def noninferiority_sensitivity(
+    table: stats.PairedTable, tango: stats.Interval, newcombe: stats.Interval, margin: float, level: float
+) -> tuple[dict[str, Any], bool, str]:
+    """Non-inferiority passes on Tango's lower limit: the half-width, the lower
+    limit's distance from the estimate and the breakpoint, the smallest balanced
+    discordance k (k cases only one model gets right, k only the other) that
+    fails it at this many cases. A PASS has power when the screen could pass
+    with real disagreement: k >= 2 (at k = 1 a single case each way fails it,
+    so a PASS says the two models answered alike, nothing more)."""
+    k = stats.noninferiority_breakpoint(table.n, margin, level)
+    half = (tango.upper - tango.lower) / 2
+    at_k = tango_lower_at(table.n, k, level)
+    sens = {
+        "half_width": half,
+        "newcombe_half_width": (newcombe.upper - newcombe.lower) / 2,
+        "distance": tango.estimate - tango.lower,
+        "breakpoint_k": k,
+        "lower_at_breakpoint": at_k,
+        "discordant": table.n10 + table.n01,
+        "cases": table.n,
+        "note": (
+            f"±{100 * half:.1f} pts; "
+            + (
+                f"fails even with full agreement (n={table.n})"
+                if k == 0
+                else f"fails at {k} discordant each way (n={table.n}; observed {table.n10}+{table.n01})"
+                if k is not None
+                else f"no balanced discordance fails it (n={table.n})"
+            )
+        ),
+    }
+    powered = k is None or k >= 2
+    if k == 0:
+        why = f"it fails even with full agreement at n={table.n}"
+    elif k == 1:
+        why = f"one discordant case each way fails it at n={table.n}; a PASS means the models answered alike"
+    else:
+        why = f"it passes with up to {k - 1 if k else table.n // 2} discordant cases each way at n={table.n}"
+    return sens, powered, why
+
+
+def tango_lower_at(n: int, k: int | None, level: float) -> float | None:
+    """Tango's lower limit with k discordant cases each way out of n (None for no k)."""
+    return None if k is None else stats.tango_interval(stats.balanced_table(n, k), level).lower
+
+
+def retention_sensitivity(
+    diffs: list[float], bound: stats.UpperBound, threshold: float, level: float
+) -> tuple[dict[str, Any], bool, str]:
+    """Retention passes on a one-sided paired t bound: the bound's distance from
+    the mean (t se), the headroom to the threshold, the largest true mean
+    increase at which it still passes with probability POWER, and the documents
+    it would need to pass so with no change at all at this spread. A PASS has
+    power when the distance is below the threshold (with a distance at or above
+    it, only a falling mean can pass: the screen cannot show an increase below
+    the threshold, only a decrease)."""
+    n = len(diffs)
+    sd = float(pd.Series(diffs).std(ddof=1)) if n > 1 else float("nan")
+    margin = bound.upper - bound.estimate
+    se = sd / math.sqrt(n)
+    t = float(sps.t.ppf(level, n - 1))
+    z = float(sps.norm.ppf(POWER))
+    needed = stats.documents_for_power(sd, threshold, level, POWER) if math.isfinite(sd) else None
+    sens = {
+        "margin": margin,
+        "headroom": threshold - bound.upper,
+        "sd": sd,
+        "se": se,
+        "documents": n,
+        "pass_likely_below": threshold - (t + z) * se,
+        "documents_for_power": needed,
+        "power": POWER,
+        "note": f"bound - mean {margin:.4f} nats (sd {sd:.3f}, {n} docs); {POWER:.0%} power at no change needs "
+        f"{needed if needed is not None else 'no number of'} docs",
+    }
+    powered = margin < threshold
+    why = (
+        f"the bound sits {margin:.4f} nats above the mean, less than the {threshold:g} allowed"
+        if powered
+        else f"the bound sits {margin:.4f} nats above the mean, more than the {threshold:g} allowed: only a falling mean passes"
+    )
+    return sens, powered, why
+
+
 def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     """Screen 1: compressed - seed accuracy, paired by test case, at least min_accuracy_gain."""
     table, tango, newcombe = _paired_accuracy(cases, "compressed", "seed", cfg.interval_level)
@@ -114,6 +257,7 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     # Decided on the point estimate; whether the interval also clears the bar
     # is shown, never substituted for the verdict.
     details["tango_lower_clears_threshold"] = bool(tango.lower >= threshold)
+    sens, powered, why = gain_sensitivity(table, tango, newcombe, threshold)
     return Screen(
         name=ACCURACY_GAIN,
         title="accuracy gain over the seed model",
@@ -132,12 +276,16 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
         run_ids={"evaluate/compressed": _run_id(cases, "model", "compressed"), "evaluate/seed": _run_id(cases, "model", "seed")},
         interval=(tango.lower, tango.upper),
         details=details,
+        sensitivity=sens,
+        powered=powered,
+        power_note=why,
     )
 
 
 def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     """Screen 3: the lower limit of compressed - control accuracy above the margin."""
     table, tango, newcombe = _paired_accuracy(cases, "compressed", "control", cfg.interval_level)
+    sens, powered, why = noninferiority_sensitivity(table, tango, newcombe, cfg.noninferiority_margin, cfg.interval_level)
     return Screen(
         name=NONINFERIORITY,
         title="non-inferiority against the control",
@@ -159,6 +307,9 @@ def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
         bound=tango.lower,
         interval=(tango.lower, tango.upper),
         details=_accuracy_details(table, "compressed", "control", newcombe),
+        sensitivity=sens,
+        powered=powered,
+        power_note=why,
     )
 
 
@@ -193,6 +344,7 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     level = cfg.retention_level
     t_bound = stats.paired_t_upper_bound(diffs["diff_mean"].tolist(), level)
     ratio = stats.ratio_difference_clustered(diffs["diff_sum"].tolist(), diffs["tokens"].tolist(), level)
+    sens, powered, why = retention_sensitivity(diffs["diff_mean"].tolist(), t_bound, cfg.retention_max_nll_increase, level)
     return Screen(
         name=RETENTION,
         title="retention (NLL increase over the seed model)",
@@ -222,6 +374,9 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             "token_weighted_se": ratio.se,
             "token_weighted_upper": ratio.upper,
         },
+        sensitivity=sens,
+        powered=powered,
+        power_note=why,
     )
 
 
@@ -241,6 +396,11 @@ def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str,
         method=f"control seconds / compressed seconds, {what}; one measured run per arm",
         run_ids={"train/control": _run_id(train, "arm", "control"), "train/compressed": _run_id(train, "arm", "compressed")},
         details={"control_seconds": seconds["control"], "compressed_seconds": seconds["compressed"]},
+        sensitivity={
+            "relative_distance": value / cfg.min_speedup - 1,
+            "note": f"one run per arm, no interval; {value / cfg.min_speedup - 1:+.1%} from the threshold",
+        },
+        power_note="one measured run per arm: no interval, no power figure",
     )
 
 
@@ -277,17 +437,32 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def resources(train: pd.DataFrame) -> dict[str, Any]:
+BYTES_PER_WORKER = ("bytes_dense", "bytes_compressed", "bytes_total")
+"""The record's bytes/* metrics: one worker's (rank 0's) collective payload."""
+
+
+def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dict[str, Any]:
     """Cost figures per arm, reported beside the screens and never folded in.
 
     Device-seconds are allocated devices x complete seconds: two workers that
     finish sooner may still hold more device time than one.
+
+    Bytes: the record's bytes/* metrics are rank 0's collective payload, one
+    worker's. Every rank of the gradient collectives (and of DDP's setup broadcast) moves
+    a payload of the same size, so all workers together move `workers` times
+    it: `<name>_all_workers` beside each (None when `workers` is not given).
     """
     columns = ["active_seconds", "complete_seconds", "device_seconds", "checkpoint_seconds",
-               "bytes_dense", "bytes_compressed", "bytes_total", "cost_usd", "peak_rss_mb"]
+               *BYTES_PER_WORKER, "cost_usd", "peak_rss_mb"]
     arms = {}
     for _, row in train.iterrows():
-        arms[str(row["arm"])] = {"run_id": str(row["run_id"])} | {c: _number(row[c]) for c in columns}
+        arm = str(row["arm"])
+        figures = {c: _number(row[c]) for c in columns}
+        count = (workers or {}).get(arm)
+        figures["workers"] = count
+        for c in BYTES_PER_WORKER:
+            figures[f"{c}_all_workers"] = None if count is None or figures[c] is None else figures[c] * count
+        arms[arm] = {"run_id": str(row["run_id"])} | figures
     control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
     ratio = compressed / control if control and compressed is not None else None
     return {"arms": arms, "device_seconds_ratio": ratio}

@@ -10,6 +10,10 @@ treats tokens as independent.
   document-weighted mean difference (the screen), and the token-weighted ratio
   estimate with a document-clustered standard error (shown beside it);
 - speed: a plain ratio of seconds.
+
+And what each screen could detect at its size (`balanced_table`,
+`noninferiority_breakpoint`, `paired_se`, `documents_for_power`): the report
+shows them beside every verdict.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ __all__ = [
     "paired_t_upper_bound",
     "ratio_difference_clustered",
     "speedup",
+    "paired_se",
+    "balanced_table",
+    "noninferiority_breakpoint",
+    "t_margin",
+    "documents_for_power",
 ]
 
 
@@ -312,3 +321,94 @@ def speedup(control_seconds: float, compressed_seconds: float) -> float:
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be positive and finite, got {value!r}")
     return control_seconds / compressed_seconds
+
+
+# --- sensitivity: what a screen could detect at its size ---------------------
+
+
+def paired_se(table: PairedTable) -> float:
+    """Unrestricted standard error of the paired difference (n10 - n01) / n:
+    sqrt(((n10 + n01) / n - d^2) / n)."""
+    _check_nonempty(table)
+    d = table.difference
+    return math.sqrt(max((table.n10 + table.n01) / table.n - d * d, 0.0) / table.n)
+
+
+def balanced_table(n: int, k: int, accuracy: float = 0.5) -> PairedTable:
+    """n cases, k discordant each way (difference 0), the concordant rest split
+    at `accuracy` (Tango's interval does not depend on the split)."""
+    if not 0 <= 2 * k <= n:
+        raise ValueError(f"2k = {2 * k} discordant pairs do not fit in n = {n} cases")
+    concordant = n - 2 * k
+    both = round(concordant * accuracy)
+    return PairedTable(n11=both, n10=k, n01=k, n00=concordant - both)
+
+
+def noninferiority_breakpoint(n: int, margin: float, level: float = 0.95) -> int | None:
+    """The smallest balanced discordance k (k cases only one model gets right,
+    k only the other, difference 0) at which Tango's lower limit is at or below
+    `margin`, so a non-inferiority screen (lower > margin) fails on n cases:
+    0 when it fails even with full agreement, None when no k <= n // 2 fails it.
+
+    At difference 0 the lower limit falls as k grows (the variance 2 p01 grows),
+    so the first failing k is found by bisection."""
+    _check_level(level)
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+
+    def fails(k: int) -> bool:
+        return tango_interval(balanced_table(n, k), level).lower <= margin
+
+    if fails(0):
+        return 0
+    hi = n // 2
+    if not fails(hi):
+        return None
+    lo = 0  # passes at lo, fails at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fails(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def t_margin(sd: float, n: int, level: float = 0.99) -> float:
+    """How far a one-sided paired t bound sits above the mean: t_{level, n-1} sd / sqrt(n)."""
+    _check_level(level)
+    if n < 2:
+        raise ValueError(f"a paired t bound needs at least 2 documents, got {n}")
+    return float(stats.t.ppf(level, n - 1)) * sd / math.sqrt(n)
+
+
+def documents_for_power(sd: float, threshold: float, level: float = 0.99, power: float = 0.8, true_mean: float = 0.0, n_max: int = 1 << 20) -> int | None:
+    """The fewest documents n at which a bound screen (mean + t_{level,n-1} sd/sqrt(n)
+    < threshold) passes with probability `power` when the true mean is
+    `true_mean`, approximately: (t_{level,n-1} + z_power) sd / sqrt(n) <= threshold - true_mean.
+    None when no n up to n_max does (true_mean at or above the threshold)."""
+    _check_level(level)
+    _check_level(power)
+    room = threshold - true_mean
+    if room <= 0:
+        return None
+    if sd <= 0:
+        return 2
+    z = float(stats.norm.ppf(power))
+
+    def enough(n: int) -> bool:
+        return (float(stats.t.ppf(level, n - 1)) + z) * sd / math.sqrt(n) <= room
+
+    hi = 2
+    while not enough(hi):
+        hi *= 2
+        if hi > n_max:
+            return None
+    lo = max(hi // 2, 1)  # lo may be 1: not enough by definition
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mid >= 2 and enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,4 +1,4 @@
-"""Batching: the contiguous split, longest-first microbatches, padding, W_k."""
+"""Batching: the contiguous split, shortest-first microbatches, packing, W_k."""
 
 from __future__ import annotations
 
@@ -51,36 +51,55 @@ def test_plan_uses_only_this_workers_documents_but_the_global_weight():
     assert plan0.total_weight == plan1.total_weight == expected
 
 
-def test_collate_pads_to_the_longest_document_of_the_microbatch_only():
-    mb = batching.collate([doc(5, 8.0), doc(2, 1.0)], weight_dtype=torch.float64, pad_id=0)
-    assert mb.input_ids.shape == (2, 5)
-    assert mb.input_ids[1].tolist() == [1, 2, 0, 0, 0]
-    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+def test_pack_puts_the_documents_in_one_row_with_their_own_positions_and_no_padding():
+    mb = batching.pack([doc(5, 8.0), doc(2, 1.0), doc(1, 1.0)], weight_dtype=torch.float64)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 1, 2, 1]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0]]
+    assert mb.bounds == (0, 5, 7, 8) and mb.documents == 3
     assert mb.weights.dtype == torch.float64
-    assert mb.weights.tolist() == [[0, 8, 8, 8, 8], [0, 1, 0, 0, 0]]
-    assert mb.tokens == 7
+    assert mb.weights.tolist() == [[0, 8, 8, 8, 8, 0, 1, 0]]
+    assert mb.tokens == 8 == mb.input_ids.numel()
 
 
-def test_collate_refuses_a_document_whose_weights_do_not_match_its_tokens():
+def test_pack_zeroes_every_documents_first_weight():
+    # Position 0 is never a target; packed, it would be predicted from the
+    # previous document's last token.
+    mb = batching.pack([Doc((4, 5, 6), (3.0, 1.0, 1.0)), Doc((7,), (8.0,)), Doc((8, 9), (5.0, 8.0))])
+    assert mb.weights.tolist() == [[0, 1, 1, 0, 0, 8]]
+
+
+def test_pack_refuses_what_it_cannot_pack():
     with pytest.raises(ValueError, match="3 tokens but 2 weights"):
-        batching.collate([Doc((1, 2, 3), (0.0, 1.0))])
+        batching.pack([Doc((1, 2, 3), (0.0, 1.0))])
+    with pytest.raises(ValueError, match="empty document"):
+        batching.pack([Doc((), ())])
+    with pytest.raises(ValueError, match="at least one document"):
+        batching.pack([])
 
 
-def test_padding_efficiency_of_a_schedule_sorted_and_unsorted():
+def test_total_weight_counts_targets_only():
+    # A first token's weight is never a target's: it counts in no W_k.
+    docs = [Doc((1, 2, 3), (5.0, 1.0, 8.0)), Doc((4,), (8.0,))]
+    assert batching.total_weight(docs, [0, 1]) == 9.0
+
+
+def test_padding_efficiency_packed_is_one_and_padded_is_what_padding_would_cost():
     # Alternating long and short documents: unsorted microbatches of 2 pair a
     # long with a short one; sorted, equal lengths share a microbatch.
     lengths = [100, 10, 100, 10, 100, 10, 100, 10]
     schedule = [[0, 1, 2, 3, 4, 5, 6, 7]]
-    unsorted = batching.padding_efficiency(lengths, schedule, 1, 2, sort=False)
-    sorted_ = batching.padding_efficiency(lengths, schedule, 1, 2)
+    for sort in (True, False):
+        packed = batching.padding_efficiency(lengths, schedule, 1, 2, sort=sort)
+        assert packed.real_tokens == packed.computed_tokens == 440 and packed.ratio == 1.0
+    unsorted = batching.padding_efficiency(lengths, schedule, 1, 2, sort=False, packed=False)
+    sorted_ = batching.padding_efficiency(lengths, schedule, 1, 2, packed=False)
     assert unsorted.real_tokens == sorted_.real_tokens == 440
     assert unsorted.computed_tokens == 800 and unsorted.ratio == pytest.approx(0.55)
     assert sorted_.computed_tokens == 440 and sorted_.ratio == 1.0
     # Two workers: each sorts only its own half.
-    two = batching.padding_efficiency([100, 100, 10, 10, 100, 10, 100, 10], schedule, 2, 2)
+    two = batching.padding_efficiency([100, 100, 10, 10, 100, 10, 100, 10], schedule, 2, 2, packed=False)
     assert two.computed_tokens == 20 + 200 + 20 + 200
     # A partial microbatch: 3 + 1 documents. Shortest first pads three short
-    # documents to 50 and leaves the longest alone (3*50 + 192), where longest
-    # first would pad three rows to 192 (3*192 + 30).
-    partial = batching.padding_efficiency([192, 50, 40, 30], [[0, 1, 2, 3]], 1, 3)
+    # documents to 50 and leaves the longest alone (3*50 + 192).
+    partial = batching.padding_efficiency([192, 50, 40, 30], [[0, 1, 2, 3]], 1, 3, packed=False)
     assert partial.computed_tokens == 3 * 50 + 192

@@ -97,3 +97,50 @@ def test_a_tensor_missing_on_disk_is_caught(model, tokenizer, tmp_path):
     expected = dict(model.state_dict()) | {"extra.weight": torch.zeros(3)}
     with pytest.raises(checkpoint.CheckpointMismatch, match="lacks 1 trained tensors, e.g. extra.weight"):
         checkpoint.verify(saved.folder, expected, saved.sha256)
+
+
+def _no_space_while_writing_weights(monkeypatch) -> None:
+    """The disk fills up halfway through the weights file."""
+    import errno
+    import os
+
+    from transformers import modeling_utils
+
+    real = modeling_utils.safe_save_file
+
+    def save_file(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as fh:
+            fh.truncate(os.path.getsize(filename) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", save_file)
+
+
+def test_a_full_disk_keeps_nothing_of_the_checkpoint(model, tokenizer, tmp_path, monkeypatch):
+    _no_space_while_writing_weights(monkeypatch)
+    folder = tmp_path / "checkpoints" / "run"
+    folder.mkdir(parents=True)  # as the worker makes it
+    with pytest.raises(checkpoint.CheckpointWriteFailed) as failed:
+        checkpoint.save(model, tokenizer, folder)
+    assert "\n" not in str(failed.value)
+    assert str(failed.value) == f"cannot write the checkpoint {folder}: No space left on device (ENOSPC); nothing of it was kept"
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # not the half file, not the temporary folder, not the empty one
+
+
+def test_an_interrupt_while_writing_keeps_nothing(model, tokenizer, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenizer, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_is_written_whole_then_named_and_never_over_another(model, tokenizer, tmp_path):
+    saved = checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left beside it
+    with pytest.raises(checkpoint.CheckpointWriteFailed, match="already holds files; a checkpoint is never written over another"):
+        checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    assert workspace.sha256_file(saved.folder / workspace.WEIGHTS_FILE) == saved.sha256

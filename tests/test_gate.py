@@ -66,7 +66,7 @@ def _divide_by_microbatch_weight() -> None:
     from coopstudy.numerics import objective
 
     def broken(net, mb, total_weight, world_size):
-        weighted_sum = net(mb.input_ids, mb.attention_mask, mb.weights)
+        weighted_sum = net(mb.input_ids, mb.position_ids, mb.weights, mb.bounds)
         share = weighted_sum / mb.weights.sum()
         return share * world_size, share.detach()
 
@@ -82,6 +82,31 @@ def test_the_gate_fails_and_names_quantity_and_case_when_normalization_is_broken
     assert "case 'weights-on-one-rank', update 1, rank 0: loss (batched" in message
     assert "case 'partial-final-microbatch', update 1, rank 1: grad_norm (batched" in message
     assert "exp_avg model." in message and "differs by" in message
+
+
+def _drop_document_bounds() -> None:
+    """Packing without its mask: the row's documents attend to each other as
+    one causal sequence (positions still restart per document)."""
+    import dataclasses
+
+    from coopstudy.numerics import batching
+
+    real_pack = batching.pack
+
+    def broken(documents, **kwargs):
+        mb = real_pack(documents, **kwargs)
+        return dataclasses.replace(mb, bounds=(0, mb.tokens))
+
+    batching.pack = broken
+
+
+def test_the_gate_fails_when_attention_crosses_the_documents_of_a_packed_row():
+    result = gate.run_gate(config.load("tiny"), rank_setup=_drop_document_bounds)
+    assert not result.passed
+    failing_cases = {row.case for row in result.rows if not row.passed}
+    # Only the case whose microbatches hold one document each cannot tell.
+    assert failing_cases == {c.name for c in gate.gate_cases()} - {"one-document-microbatch"}
+    assert "case 'adjacent-one-token-documents', update 1, rank 0: param model." in "\n".join(result.failures)
 
 
 def test_no_receipt_means_training_is_refused():

@@ -83,3 +83,84 @@ def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
     assert env[writer.ENV_RUN_ID] == "RUN"
     # The project run's id must not leak into the ranks.
     assert "MLFLOW_RUN_ID" not in env
+
+
+def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = config.load("tiny")
+    hostfile = launch.node_hostfile(2, 1)
+    assert hostfile.read_text() == "node0 slots=1\nnode1 slots=1\n"
+    cmd = launch.command(cfg, "compressed", "RUN", hostfile=hostfile, nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    assert Path(cmd[0]).name == "deepspeed" and "--no_ssh" in cmd
+    flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}
+    assert (flags["--node_rank"], flags["--master_addr"], flags["--master_port"]) == ("1", "10.0.0.1", "29600")
+    assert (flags["--hostfile"], flags["--num_nodes"], flags["--num_gpus"]) == (str(hostfile), "2", "1")
+    assert cmd[cmd.index("--module") + 1 :][:2] == ["coopstudy", "worker"] and flags["--run-id"] == "RUN"
+
+
+STALE_HOLDER = """
+import os, signal, subprocess, sys
+from coopstudy.run import lock
+with lock.device_lock(["testdev"], "a job that will be killed") as held:
+    held.note(run_id=sys.argv[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    held.note(process_group=child.pid)
+    print(child.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
+    """SIGKILL frees the flock but leaves the holder's name in the file: the
+    next job says so, stops what the dead job left running, ends its run."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from coopstudy.record import store
+
+    client = store.client()
+    run_id = client.create_run(store.experiment_id("coopstudy")).info.run_id
+    holder = subprocess.run([sys.executable, "-c", STALE_HOLDER, run_id], capture_output=True, text=True, timeout=120)
+    assert holder.returncode == -9, holder.stderr
+    left = int(holder.stdout.split()[0])
+    assert psutil.pid_exists(left)
+    with lock.device_lock(["testdev"], "the next job"):
+        pass
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1, said
+    assert "device testdev on " in said[0] and "(a job that will be killed, since" in said[0]
+    assert f"is stale, its process is gone; stopped its leftover processes {left}; ended its run {run_id} as KILLED; taking the device" in said[0]
+    assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and "died without releasing device testdev" in run.data.tags[schema.TAG_ERROR]
+    # Released cleanly this time: the next job takes it without a word.
+    with lock.device_lock(["testdev"], "and the next"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_process():
+    import subprocess
+    import sys
+
+    import pytest
+
+    from coopstudy.errors import RefusedError
+
+    holding = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom coopstudy.run import lock\nwith lock.device_lock(['testdev'], 'holder'):\n"
+         "    print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holding.stdout.readline().strip() == "held"
+        with pytest.raises(RefusedError, match=f"device testdev on .* is in use by training job pid {holding.pid} \\(holder, since"):
+            with lock.device_lock(["testdev"], "second"):
+                pass
+    finally:
+        holding.kill()
+        holding.wait()

@@ -60,3 +60,116 @@ def test_require_says_how_to_fix(tmp_path):
 
     with pytest.raises(RefusedError, match="run prepare first"):
         Ledger(tmp_path / "l.jsonl").require("inputs", "x", hint="run prepare first")
+
+
+APPENDER = """
+import sys
+from coopstudy.commit.ledger import Ledger
+book = Ledger(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    book.append("probe", f"{sys.argv[2]}/{i}", f"{sys.argv[2]}-{i}")
+"""
+
+
+def test_appends_from_many_processes_keep_one_chain(tmp_path):
+    """Stages commit at once (a probe sweep, two prepares): the append lock keeps one linear chain."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ledger.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, str(path), f"p{n}", "25"]) for n in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    entries = Ledger(path).entries()  # the chain verifies
+    assert len(entries) == 100
+    assert {e.subject for e in entries} == {f"p{n}/{i}" for n in range(4) for i in range(25)}
+
+
+def test_a_failed_append_leaves_no_half_line(ledger, monkeypatch):
+    import os as os_mod
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os_mod, "fsync", no_space)
+        with pytest.raises(OSError, match="No space left"):
+            ledger.append("plan", "c", "d4")
+    assert [e.digest for e in ledger.entries()] == ["d1", "d2", "d3"]
+
+
+# --- the ledger against the record ------------------------------------------
+
+
+def _mirrored(kind: str, digest: str) -> str:
+    """A run that committed `digest`, as the step that commits `kind` records it."""
+    from coopstudy.record import writer
+
+    with writer.stage_run(kind, None, log_config=False) as rec:
+        rec.record_commitment(kind, digest)
+    return rec.run_id
+
+
+def _rechained(path, edit) -> None:
+    """The ledger rewritten whole, as a forger would: every line re-hashed."""
+    from coopstudy.commit import ledger as ledger_mod
+
+    raws = [json.loads(line) for line in path.read_text().splitlines()]
+    edit(raws)
+    prev = ledger_mod.GENESIS
+    for n, raw in enumerate(raws):
+        raw["seq"], raw["prev"] = n, prev
+        raw["hash"] = prev = ledger_mod._entry_hash({k: raw[k] for k in ("seq", "time", "kind", "subject", "digest", "details", "prev")})
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in raws))
+
+
+def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_record_disagrees_with():
+    book = Ledger()
+    _mirrored("inputs", "i" * 64)
+    _mirrored("plan", "p" * 64)
+    book.append("inputs", "key", "i" * 64, {"preset": "tiny"})
+    book.append("plan", "config", "p" * 64, {"preset": "tiny"})
+    assert book.require("plan", "config", hint="-").digest == "p" * 64
+
+    def forge(raws):
+        raws[0]["digest"] = "f" * 64
+        raws[1]["digest"] = "e" * 64
+
+    _rechained(book.path, forge)
+    assert [e.digest for e in book.entries()] == ["f" * 64, "e" * 64]  # the chain alone verifies
+    with pytest.raises(LedgerError) as refused:
+        book.require("plan", "config", hint="-")
+    line = str(refused.value)
+    assert "\n" not in line
+    assert f"line 1 (inputs key, {'f' * 12}) disagrees with the record: no run of the record committed {'f' * 12}" in line
+    assert "commit again: `python -m coopstudy prepare --preset tiny`" in line
+
+
+def test_only_the_commitments_in_force_are_compared():
+    """An entry replaced by a newer one of the same subject (a step killed
+    before it could tag its run, then run again) is not the record's business."""
+    book = Ledger()
+    book.append("gate", "numerical-sources", "a" * 64)  # its run never said so
+    book.append("inputs", "key", "i" * 64)
+    _mirrored("inputs", "i" * 64)
+    with pytest.raises(LedgerError, match="line 1 .gate numerical-sources.*no run of the record committed aaaaaaaaaaaa"):
+        book.require("inputs", "key", hint="-")
+    _mirrored("gate", "b" * 64)
+    book.append("gate", "numerical-sources", "b" * 64)
+    assert book.require("inputs", "key", hint="-").digest == "i" * 64
+
+
+def test_a_candidate_must_be_what_its_select_run_selected():
+    from coopstudy.record import schema, writer
+
+    with writer.stage_run(schema.STAGE_SELECT, None, log_config=False) as rec:
+        rec.set_tags({schema.TAG_CANDIDATE_PREFIX + "control": "c" * 64})
+    book = Ledger()
+    book.append("candidate", "plan/control", "c" * 64, {"arm": "control", "select_run_id": rec.run_id})
+    book.check_record()
+
+    def forge(raws):
+        raws[0]["digest"] = "d" * 64
+
+    _rechained(book.path, forge)
+    with pytest.raises(LedgerError, match=f"select run {rec.run_id} selected cccccccccccc for the control arm, the ledger says dddddddddddd"):
+        book.check_record()

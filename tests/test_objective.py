@@ -1,5 +1,6 @@
-"""The objective and the update in one process: global normalization, the
-per-document reference, precision, warmup."""
+"""The objective and the update in one process: packed microbatches against
+the per-document reference, global normalization, precision, warmup, the
+time breakdown."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def step(net, opt, sched, docs, microbatch: int, precision=FP64, **kw) -> update
     return update.worker_update(net, opt, sched, docs, range(len(docs)), ONE, microbatch=microbatch, precision=precision, **kw)
 
 
-def trainer(lm, cfg):
-    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+def trainer(lm, cfg, implementation=update.FUSED):
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train, implementation=implementation)
     return optimizer, update.build_scheduler(optimizer, cfg.train.warmup_updates)
 
 
@@ -61,7 +62,8 @@ def test_batched_update_matches_the_per_document_reference(cfg, grad_clip):
     docs = documents()
     lm, ref = gate_model(0), gate_model(0)
     opt, sched = trainer(lm, cfg)
-    ref_opt, ref_sched = trainer(ref, cfg)
+    # The reference steps with torch's per-tensor AdamW, training with the fused one.
+    ref_opt, ref_sched = trainer(ref, cfg, update.PER_TENSOR)
     net = objective.WeightedNLL(lm)
     for _ in range(2):
         got = step(net, opt, sched, docs, 3, grad_clip=grad_clip)
@@ -90,27 +92,58 @@ def test_loss_and_gradient_do_not_depend_on_the_microbatch_size(cfg):
         assert max(float((g - h).abs().max()) for g, h in zip(grads, other_grads)) < 1e-12
 
 
-def test_padding_and_prompt_tokens_add_nothing():
-    docs = documents(4, seed=2)
+def _sum(net, docs) -> float:
+    mb = batching.pack(docs, weight_dtype=torch.float64)
+    return float(net(mb.input_ids, mb.position_ids, mb.weights, mb.bounds))
+
+
+def test_a_packed_row_is_the_sum_of_its_documents_alone():
+    # Attention never crosses a document and positions restart, so packing
+    # (in any order) gives each document's own weighted sum.
+    docs = documents(5, seed=2) + [Doc((9,), (0.0,)), Doc((17,), (0.0,))]
     net = objective.WeightedNLL(gate_model(0))
-    # The pad id is arbitrary: padded positions weigh 0 and come after every real token.
-    sums = [float(net(*_tensors(batching.collate(docs, weight_dtype=torch.float64, pad_id=pad)))) for pad in (0, 7, 255)]
-    assert sums[0] == pytest.approx(sums[1], rel=1e-14) and sums[0] == pytest.approx(sums[2], rel=1e-14)
+    alone = sum(_sum(net, [d]) for d in docs)
+    assert _sum(net, docs) == pytest.approx(alone, rel=1e-13)
+    assert _sum(net, docs[::-1]) == pytest.approx(alone, rel=1e-13)
     # All weights zero: nothing to predict, the sum is exactly zero.
     silent = [Doc(d.input_ids, (0.0,) * len(d.weights)) for d in docs]
-    assert float(net(*_tensors(batching.collate(silent, weight_dtype=torch.float64)))) == 0.0
+    assert _sum(net, silent) == 0.0
 
 
-def _tensors(mb: batching.Microbatch):
-    return mb.input_ids, mb.attention_mask, mb.weights
+def test_first_tokens_never_count_and_one_token_documents_add_nothing():
+    docs = documents(3, seed=6)
+    net = objective.WeightedNLL(gate_model(0))
+    weighted_first = [Doc(d.input_ids, (8.0,) + d.weights[1:]) for d in docs]
+    one_token = [Doc((5,), (8.0,)), Doc((6,), (1.0,))]
+    expected = _sum(net, docs)
+    assert _sum(net, weighted_first) == pytest.approx(expected, rel=1e-13)
+    assert _sum(net, one_token[:1] + weighted_first[:2] + one_token[1:] + weighted_first[2:]) == pytest.approx(expected, rel=1e-13)
+    assert _sum(net, one_token) == 0.0
+
+
+def test_without_the_document_bounds_attention_crosses_documents_and_the_sum_changes():
+    # The negative control of the two tests above: one causal sequence over
+    # the whole row is not the documents alone.
+    docs = documents(4, seed=7)
+    net = objective.WeightedNLL(gate_model(0))
+    mb = batching.pack(docs, weight_dtype=torch.float64)
+    crossed = float(net(mb.input_ids, mb.position_ids, mb.weights, (0, mb.tokens)))
+    assert abs(crossed - _sum(net, docs)) > 1e-6 * abs(crossed)
+
+
+def test_the_lm_keeps_its_own_attention_outside_the_objective():
+    lm = gate_model(0)
+    before = lm.config._attn_implementation
+    _sum(objective.WeightedNLL(lm), documents(2))
+    assert lm.config._attn_implementation == before
 
 
 def test_microbatch_loss_divides_by_the_global_weight_and_scales_by_the_workers():
     class Fixed(torch.nn.Module):
-        def forward(self, ids, mask, weights):
+        def forward(self, ids, positions, weights, bounds):
             return torch.tensor(6.0)
 
-    mb = batching.collate([Doc((1, 2, 3), (0.0, 1.0, 1.0))])
+    mb = batching.pack([Doc((1, 2, 3), (0.0, 1.0, 1.0))])
     loss, share = objective.microbatch_loss(Fixed(), mb, total_weight=12.0, world_size=2)
     # The share of L_k is 6/12 whatever this microbatch's own weight (2) is;
     # backward sees it doubled because DDP halves it again.
@@ -148,6 +181,27 @@ def test_learning_rate_warms_up_linearly_then_stays_constant(cfg):
 def test_a_global_batch_without_targets_is_refused(cfg):
     lm = gate_model(0)
     opt, sched = trainer(lm, cfg)
-    mb = batching.collate([Doc((1, 2), (0.0, 0.0))], weight_dtype=torch.float64)
+    mb = batching.pack([Doc((1, 2), (0.0, 0.0))], weight_dtype=torch.float64)
     with pytest.raises(ValueError, match="no weighted token"):
         update.run_update(objective.WeightedNLL(lm), opt, sched, [mb], 0.0, ONE, precision=FP64)
+
+
+def test_the_update_says_where_its_seconds_went(cfg):
+    docs = documents(6, seed=8)
+    lm = gate_model(0)
+    opt, sched = trainer(lm, cfg)
+    result = step(objective.WeightedNLL(lm), opt, sched, docs, 4)
+    t = result.times
+    assert t.total == pytest.approx(result.seconds, rel=1e-9)
+    assert t.forward_backward > 0 and t.optimizer > 0 and t.other > 0
+    # One worker: no gradient is communicated.
+    assert t.communication == 0.0 and result.comm is None
+    # Packed: every computed position is a real token.
+    assert result.computed_tokens == result.local_tokens == result.tokens == sum(len(d.input_ids) for d in docs)
+
+
+def test_training_steps_with_fused_adamw_and_the_reference_with_the_per_tensor_loop(cfg):
+    params = list(gate_model(0).parameters())
+    assert update.build_optimizer(params, cfg.train).defaults["fused"] is True
+    plain = update.build_optimizer(params, cfg.train, implementation=update.PER_TENSOR).defaults
+    assert not plain["fused"] and plain["foreach"] is False

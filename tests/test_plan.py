@@ -19,7 +19,7 @@ import pytest
 from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, workspace
-from coopstudy.commit import budget, ledger, plan, receipts, require
+from coopstudy.commit import budget, ledger, plan, receipts, require, sources
 from coopstudy.errors import ConfigError, RefusedError
 from coopstudy.inputs import data
 from coopstudy.record import schema, store
@@ -57,7 +57,10 @@ def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_pat
     book = ledger.Ledger().entries()
     (gate_entry,) = [e for e in book if e.kind == ledger.GATE]
     (inputs_entry,) = [e for e in book if e.kind == ledger.INPUTS and e.subject == data.inputs_key(cfg)]
-    assert doc["sources"]["files"] == gate_entry.details["sources"]
+    # Every source that decides a number is bound, the gate's numerical sources among them.
+    assert doc["sources"]["files"] == sources.deciding_sources_sha256()[1]
+    assert {f"src/coopstudy/{name}": sha for name, sha in gate_entry.details["sources"].items()}.items() <= doc["sources"]["files"].items()
+    assert {"src/coopstudy/run/worker.py", "src/coopstudy/inputs/data.py", "src/coopstudy/scoring.py", "analysis/screens.py"} <= set(doc["sources"]["files"])
     assert doc["gate_receipt"] == gate_entry.digest
     assert doc["inputs"]["sha256"] == inputs_entry.digest
     folder = receipts.probe_dir(cfg)
@@ -127,6 +130,29 @@ def test_train_refuses_after_a_numerical_source_changes_naming_it(planned, tmp_p
     # The gate receipt, which the plan hashes, no longer covers the sources.
     line = done.stderr.strip().splitlines()[-1]
     assert "numerical sources changed since the gate receipt:" in line and "update.py" in line, done.stderr
+
+
+@pytest.mark.parametrize(
+    "edited,stage",
+    [("src/coopstudy/run/worker.py", "train"), ("src/coopstudy/inputs/data.py", "select"), ("analysis/screens.py", "report")],
+)
+def test_the_next_stage_refuses_after_a_deciding_source_changes_naming_it(planned, tmp_path, edited, stage):
+    # The checkout as a user would have it after editing one file that decides
+    # a number but is no numerical source: the gate still holds, the plan does not.
+    sha = planned[0]
+    project = tmp_path / "checkout"
+    shutil.copytree(ROOT / "src" / "coopstudy", project / "src" / "coopstudy", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "analysis", project / "analysis", ignore=shutil.ignore_patterns("__pycache__"))
+    _edit(project / edited)
+    args = {"train": ("--arm", "control"), "select": (), "report": ("--plan", sha)}[stage]
+    done = run_cli(stage, "--preset", "tiny", *args, env={"PYTHONPATH": f"{project / 'src'}:{project}"})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"coopstudy {stage}: error: changed since the plan {sha[:12]} was committed: source {edited} (changed)"), done.stderr
+    assert "," not in line.split("source ", 1)[1].split(";")[0]  # that file alone
+    failed = _runs(f"tags.`{schema.TAG_STAGE}` = '{stage}' and attributes.status = 'FAILED'")[0]
+    assert f"source {edited} (changed)" in failed.data.tags[schema.TAG_ERROR]
 
 
 def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(planned):

@@ -12,7 +12,7 @@ from coopstudy import cli, config
 from coopstudy.commit import ledger, require
 from coopstudy.errors import RefusedError
 from coopstudy.inputs import data
-from coopstudy.record import schema
+from coopstudy.record import schema, writer
 
 # The shared seed and prepared-store fixtures (made once per session).
 
@@ -30,7 +30,11 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     (run,) = _prepare_runs(prepared_tiny.tracking_uri)
     assert run.info.status == "FINISHED"
     cfg = config.load("tiny")
-    assert config.flatten(cfg).items() <= run.data.params.items()
+    logged = {k: v for k, v in config.flatten(cfg).items() if k not in writer.NOT_PARAMS}
+    assert logged.items() <= run.data.params.items() and run.data.tags[schema.TAG_PRESET] == "tiny"
+    # Where replay and retention come from, the split and the overlap checks are on record and printed.
+    assert "replay 16 and retention 8 conversations from chitchat (chitchat-dataset 0.9.0" in prepared_tiny.printed.stdout
+    assert "overlap with replay: 0" in prepared_tiny.printed.stdout
 
     (entry,) = ledger.Ledger(prepared_tiny.home / "ledger.jsonl").entries()
     assert (entry.kind, entry.subject) == (ledger.INPUTS, data.inputs_key(cfg))
@@ -43,6 +47,8 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     raw = open(manifest_path, "rb").read()
     assert data.workspace.sha256_bytes(raw) == entry.digest
     manifest = json.loads(raw)
+    assert manifest["conversations"]["source"] == "chitchat" and manifest["split"]["retention_groups"] >= 4
+    assert set(manifest["checks"].values()) == {0}
     assert tags[schema.TAG_SEED_SHA] == manifest["seed_model"]["sha256"]
     assert run.data.params[schema.PARAM_SEED_PARAMETERS] == str(manifest["seed_model"]["parameters"])
 

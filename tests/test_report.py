@@ -10,10 +10,12 @@ import sys
 
 import mlflow
 import pytest
+from fixtures import ROOT
 
 from analysis import records
 from coopstudy import cli as cli_main
 from coopstudy import config
+from coopstudy.commit import sources
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store, writer
 
@@ -27,7 +29,8 @@ SEED = "5e" * 32
 
 def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -> str:
     devices = getattr(cfg.arms, arm).workers
-    tags = {schema.TAG_CHECKPOINT_SHA: CANDIDATE[arm], schema.TAG_SEED_SHA: SEED} | ({schema.TAG_PLAN: plan} if plan else {})
+    tags = {schema.TAG_CHECKPOINT_SHA: CANDIDATE[arm], schema.TAG_SEED_SHA: SEED, schema.TAG_REQUIRES_PREFIX + "inputs": INPUTS}
+    tags |= {schema.TAG_PLAN: plan} if plan else {}
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags) as rec:
         for update in range(1, cfg.train.updates + 1):
             dense = arm == "compressed" and update <= cfg.powersgd.dense_updates
@@ -78,19 +81,53 @@ def _retention_rows(shift: float) -> list[dict]:
     return rows
 
 
+def _plan_run(cfg, plan: str, files: dict[str, str] | None = None) -> str:
+    """The plan run as `plan` records it: the plan document binds the sources as they are now (or `files`)."""
+    _, now = sources.deciding_sources_sha256()
+    with writer.stage_run(schema.STAGE_PLAN, cfg, tags={schema.TAG_PLAN: plan}) as rec:
+        rec.log_dict({"sources": {"files": files if files is not None else now}}, schema.ART_PLAN)
+    return rec.run_id
+
+
+MANIFEST = {
+    "conversations": {"source": "chitchat", "package": "chitchat-dataset 0.9.0", "sha256": "d2" * 32, "usable": 3948},
+    "split": {
+        "source": "chitchat", "retention": 8, "replay": 16, "retention_topics": ["What's your favorite smell?"],
+        "retention_groups": 4, "held_out_unused": 502, "replay_topics": 13, "replay_skipped_for_overlap": 2,
+        "overlap_rule": "no shared topic, no shared word 13-gram",
+    },
+    "checks": {"test_questions_in_training": 0, "retention_in_replay": 0, "replay_sharing_topic_with_retention": 0,
+               "replay_sharing_13gram_with_retention": 0},
+    "counts": {"train": 64, "tasks": 48, "replay": 16, "retention": 8, "test": 200},
+}
+INPUTS = "1e" * 32
+
+
+def _prepare_run(cfg) -> str:
+    with writer.stage_run(schema.STAGE_PREPARE, cfg, tags={schema.TAG_INPUTS: INPUTS}) as rec:
+        rec.log_dict(MANIFEST, schema.ART_MANIFEST)
+    return rec.run_id
+
+
 def make_study(
     cfg,
     *,
     plan: str | None = None,
     models: tuple[str, ...] = ("seed", "control", "compressed"),
     compressed_active: float = 40.0,
+    prepared: bool = True,
 ) -> dict[str, str]:
-    """A complete study record: both train runs, select, evaluate with one child per model.
+    """A complete study record: the prepare run (unless not `prepared`), the plan
+    run (with `plan`), both train runs, select, evaluate with one child per model.
 
     200 test cases; seed right on 40, control and compressed on the same 120
     (+40 points, no discordant pairs); retention NLL barely moves; the
     compressed arm is 1.5x faster (by default) in active and 1.33x in complete time.
     """
+    if prepared:
+        _prepare_run(cfg)
+    if plan:
+        _plan_run(cfg, plan)
     ids = {
         "train/control": _train(cfg, "control", active=60.0, complete=80.0, plan=plan),
         "train/compressed": _train(cfg, "compressed", active=compressed_active, complete=60.0, plan=plan),
@@ -156,11 +193,11 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert report["resources"]["device_seconds_ratio"] == pytest.approx(120 / 80)
     assert report["accuracy"]["seed"]["families"]["all"]["correct"] == 40  # partial credit is not correct
 
-    # Rebuilt by a fresh process from the tracking store alone, run as a user
-    # would from another working directory, into another folder: the same bytes.
+    # Rebuilt by a fresh process from the tracking store alone, as a user runs
+    # it in the project, into another folder: the same bytes.
     second = subprocess.run(
         [sys.executable, "-m", "coopstudy", "report", "--preset", "tiny", "--out", str(tmp_path / "b")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert second.returncode == 0, second.stderr
     assert (tmp_path / "a" / "report.json").read_bytes() == (tmp_path / "b" / "report.json").read_bytes()
@@ -183,7 +220,24 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)
     for body in (md, text, json.dumps(report), first_out):
         assert not re.search(r"reduc|saving|saved|less communication", body, re.I)
-    assert "device-seconds" in md and "bytes sent, dense phase" in md
+    assert "device-seconds" in md and "bytes sent per worker (rank 0), dense phase" in md
+    # Bytes as what they are: one worker's, and all workers' beside.
+    compressed = report["resources"]["arms"]["compressed"]
+    assert compressed["bytes_total_all_workers"] == 2 * compressed["bytes_total"] and compressed["workers"] == 2
+    assert "bytes sent, all workers, total" in md and "rank 0's collective payload" in md
+    # Each source, the counts and the overlap check are stated.
+    assert report["inputs"]["split"] == MANIFEST["split"] and report["inputs"]["sha256"] == INPUTS
+    assert "Replay: 16 conversations from chitchat (chitchat-dataset 0.9.0" in md
+    assert "Retention probes: 8 conversations from chitchat, drawn from 4 held-out topics (What's your favorite smell?)" in md
+    assert "shared ids" not in md and "replay documents sharing a word 13-gram 0; 2 replay candidates skipped for shared text" in md
+    assert "identical conversations 0, shared topics 0, replay documents sharing a word 13-gram 0" in md
+    assert "final test 200 cases, 0 of them in training" in md
+    # Sensitivity beside every verdict; at 200 cases non-inferiority fails from 3 discordant cases each way.
+    by_name = {s["name"]: s for s in report["screens"]}
+    assert by_name["noninferiority"]["sensitivity"]["breakpoint_k"] == 3 and by_name["noninferiority"]["powered"] is True
+    assert by_name["retention"]["sensitivity"]["margin"] == pytest.approx(by_name["retention"]["bound"] - by_name["retention"]["estimate"])
+    assert "| sensitivity at this size | power | verdict |" in md
+    assert "fails at 3 discordant each way (n=200; observed 0+0)" in md and "power" in first_out
 
 
 def test_failed_screens_are_a_result_not_an_error(capsys, tiny, tmp_path):
@@ -228,6 +282,10 @@ def test_plan_groups_the_study(tiny):
     assert len(recs.updates) == 2 * tiny.train.updates
     assert recs.train.set_index("arm").loc["compressed", "run_id"] == ids["train/compressed"]
     assert math.isclose(recs.train.set_index("arm").loc["control", "device_seconds"], 80.0)
+    # Another plan: none on record, so none of its sources can be checked.
+    with pytest.raises(RefusedError, match="plan cdcdcdcdcdcd: no FINISHED plan run in experiment 'coopstudy' holds it"):
+        records.load(tiny, "cd" * 32)
+    _plan_run(tiny, "cd" * 32)
     with pytest.raises(RefusedError, match="no FINISHED train run for arm control"):
         records.load(tiny, "cd" * 32)
 
@@ -254,3 +312,46 @@ def test_evaluated_weights_must_be_the_selected_ones(tiny):
 def test_plan_argument_must_be_a_sha(tiny):
     with pytest.raises(UserError, match="--plan"):
         records.study_key(tiny, "x' or 1=1")
+
+
+def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):
+    from analysis import report as rep
+
+    make_study(tiny)
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    for s in report["screens"]:
+        assert s["sensitivity"]["note"]
+        assert s["verdict_reads"] == (f"PASS (no power: {s['power_note']})" if s["verdict"] == "pass" and s["powered"] is False else s["verdict"].upper())
+    # Were non-inferiority's PASS one without power, every form of the report says so.
+    noninf = next(s for s in report["screens"] if s["name"] == "noninferiority")
+    noninf |= {"powered": False, "power_note": "one discordant case each way fails it at n=128"}
+    md, page = rep.to_markdown(report), rep.to_html(report, {})
+    said = "Screen 3 (non-inferiority against the control) passed without power: one discordant case each way fails it at n=128."
+    assert said in md and said in page
+    row = next(line for line in md.splitlines() if line.startswith("| 3 |"))
+    assert row.endswith("| no: one discordant case each way fails it at n=128 | PASS |")
+
+
+def test_no_prepare_run_on_record_is_said(capsys, tiny, tmp_path):
+    make_study(tiny, prepared=False)
+    rc, _, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "report.json").read_text())["inputs"] is None
+    assert "The record holds no prepare run with the manifest of these inputs" in (tmp_path / "report.md").read_text()
+
+
+def test_report_refuses_when_a_source_the_plan_binds_changed(capsys, tiny):
+    ids = make_study(tiny, plan=PLAN)
+    _, now = sources.deciding_sources_sha256()
+    # The plan bound another analysis/screens.py than the one here now.
+    _plan_run(tiny, PLAN, now | {"analysis/screens.py": "00" * 32})
+    rc, _, err = _report(capsys, "--plan", PLAN)
+    assert rc == 2
+    (line,) = err.strip().splitlines()
+    assert f"changed since the plan {PLAN[:12]} was committed: source analysis/screens.py (changed)" in line
+    # Without --plan the runs name the plan, and the same check holds.
+    rc, _, err = _report(capsys)
+    assert rc == 2 and "source analysis/screens.py (changed)" in err
+    assert ids

@@ -219,3 +219,89 @@ def test_resources_are_reported_not_judged():
     assert res["device_seconds_ratio"] == pytest.approx(250 / 130)
     assert res["arms"]["compressed"]["bytes_dense"] == 4e6
     assert res["arms"]["compressed"]["run_id"] == "run-compressed"
+
+
+# --- sensitivity beside every verdict -------------------------------------------
+
+
+def test_noninferiority_at_128_cases_passes_only_on_full_agreement():
+    # The CPU preset's old size: a PASS, but one discordant case each way fails it.
+    s = sc.noninferiority(_noninf_cases(20, 0, 0, 108), CFG)
+    assert s.passed and s.powered is False
+    assert s.sensitivity["breakpoint_k"] == 1 and s.sensitivity["discordant"] == 0
+    assert s.sensitivity["half_width"] == pytest.approx((s.interval[1] - s.interval[0]) / 2)
+    assert s.sensitivity["lower_at_breakpoint"] <= CFG.noninferiority_margin
+    assert s.verdict_reads.startswith("PASS (no power: one discordant case each way fails it at n=128")
+    assert s.to_dict()["verdict"] == "pass" and s.to_dict()["verdict_reads"] == s.verdict_reads
+    assert not sc.noninferiority(_noninf_cases(20, 1, 1, 106), CFG).passed
+
+
+def test_noninferiority_at_512_cases_passes_with_real_disagreement():
+    s = sc.noninferiority(_noninf_cases(100, 29, 29, 354), CFG)
+    assert s.passed and s.powered is True and s.verdict_reads == "PASS"
+    assert s.sensitivity["breakpoint_k"] == 30 and s.sensitivity["discordant"] == 58
+    assert "fails at 30 discordant each way (n=512; observed 29+29)" in s.sensitivity["note"]
+    assert s.sensitivity["distance"] == pytest.approx(-s.bound)
+    assert not sc.noninferiority(_noninf_cases(100, 30, 30, 352), CFG).passed
+
+
+def test_noninferiority_that_cannot_pass_says_so():
+    s = sc.noninferiority(_noninf_cases(10, 0, 0, 6), CFG)
+    assert not s.passed and s.sensitivity["breakpoint_k"] == 0 and s.powered is False
+    assert s.verdict_reads == "FAIL" and "fails even with full agreement (n=16)" in s.sensitivity["note"]
+
+
+def test_gain_sensitivity_is_the_band_where_the_verdict_is_a_coin_toss():
+    s = sc.accuracy_gain(_gain_cases(6, 14, 4, 104), CFG)
+    se = math.sqrt((18 / 128 - (10 / 128) ** 2) / 128)
+    z = sps.norm.ppf(0.8)
+    assert s.sensitivity["se"] == pytest.approx(se)
+    assert s.sensitivity["pass_likely_above"] == pytest.approx(0.10 + z * se)
+    assert s.sensitivity["fail_likely_below"] == pytest.approx(0.10 - z * se)
+    assert s.sensitivity["half_width"] == pytest.approx((s.interval[1] - s.interval[0]) / 2)
+    assert s.sensitivity["lower_minus_threshold"] == pytest.approx(s.interval[0] - 0.10)
+    # A pass whose interval still holds "no gain" has no power.
+    small = sc.accuracy_gain(_gain_cases(5, 3, 1, 11), CFG)
+    assert small.passed and small.interval[0] < 0 and small.powered is False
+    assert small.verdict_reads.startswith("PASS (no power: the interval [") and "includes no gain" in small.verdict_reads
+    big = sc.accuracy_gain(_gain_cases(10, 60, 2, 128), CFG)
+    assert big.passed and big.powered is True and big.verdict_reads == "PASS"
+
+
+def test_retention_sensitivity_is_the_bounds_distance_from_the_mean():
+    diffs = [0.001, 0.002, 0.003, 0.002]
+    s = sc.retention(_retention(diffs, [5, 5, 5, 5]), CFG)
+    sd = float(pd.Series(diffs).std(ddof=1))
+    t = sps.t.ppf(0.99, 3)
+    assert s.sensitivity["margin"] == pytest.approx(s.bound - s.estimate) == pytest.approx(t * sd / 2)
+    assert s.sensitivity["headroom"] == pytest.approx(0.02 - s.bound)
+    assert s.sensitivity["pass_likely_below"] == pytest.approx(0.02 - (t + sps.norm.ppf(0.8)) * sd / 2)
+    assert s.sensitivity["sd"] == pytest.approx(sd) and s.sensitivity["documents"] == 4
+    assert s.passed and s.powered is True
+
+
+def test_retention_that_passes_only_on_a_falling_mean_has_no_power():
+    # The CPU study's case: 32 documents, sd ~0.1, so the bound sits ~0.042 above
+    # the mean, twice the 0.02 allowed: only a mean that fell could pass.
+    diffs = list(-0.42 + 0.1 * sps.norm.ppf([(i + 0.5) / 32 for i in range(32)]))
+    s = sc.retention(_retention(diffs, [50] * 32), CFG)
+    assert s.passed and s.powered is False
+    assert s.sensitivity["margin"] == pytest.approx(0.042, abs=0.003)
+    assert s.verdict_reads.startswith("PASS (no power: the bound sits 0.04")
+    assert s.sensitivity["documents_for_power"] > 200
+
+
+def test_speed_screens_have_no_power_figure():
+    active, _ = sc.speedups(_train((120.0, 130.0), (100.0, 125.0)), CFG)
+    assert active.powered is None and active.verdict_reads == "PASS"
+    assert active.sensitivity["relative_distance"] == pytest.approx(1.2 / 1.1 - 1)
+    assert "one run per arm, no interval" in active.sensitivity["note"]
+
+
+def test_bytes_are_per_worker_with_all_workers_beside():
+    res = sc.resources(_train((120.0, 130.0), (100.0, 125.0)), {"control": 1, "compressed": 2})
+    compressed = res["arms"]["compressed"]
+    assert compressed["bytes_dense"] == 4e6 and compressed["bytes_dense_all_workers"] == 8e6
+    assert compressed["bytes_total_all_workers"] == 1e7 and compressed["workers"] == 2
+    assert res["arms"]["control"]["bytes_total_all_workers"] == 0.0
+    assert sc.resources(_train((1.0, 1.0), (1.0, 1.0)))["arms"]["compressed"]["bytes_total_all_workers"] is None

@@ -145,3 +145,39 @@ def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, c
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
     assert f"the checkpoint weights {folder / workspace.WEIGHTS_FILE} are missing" in capsys.readouterr().err
     assert len(_runs(schema.STAGE_EVALUATE, "FAILED")) == 2
+
+@pytest.mark.parametrize("status", ["KILLED", "RUNNING"])
+def test_a_train_run_that_did_not_finish_is_never_a_candidate_whatever_it_left(cfg, tiny_seed, planned, capsys, status):
+    """Interrupted or stopped (KILLED), or its stage killed with it (left RUNNING):
+    even with a verified checkpoint on record, select refuses it."""
+    fake_train_run(cfg, "control", tiny_seed.path)
+    run_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path)
+    client = store.client()
+    if status == "RUNNING":
+        client.update_run(run_id, status="RUNNING")
+    else:
+        client.set_terminated(run_id, status)
+    assert cli.main(["select", "--preset", "tiny"]) == 2
+    assert f"arm compressed has not finished (its newest train run {run_id} is {status})" in capsys.readouterr().err
+    assert not _candidate_entries()
+
+
+def test_the_selection_is_on_the_select_run_before_it_is_in_the_ledger(cfg, trained, monkeypatch, capsys):
+    """Mirror first: a select that dies between the two leaves a tagged run and
+    no ledger entry, never an entry the record does not hold."""
+    from coopstudy.commit import candidates as candidates_mod
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(candidates_mod, "commit", dies)
+        assert cli.main(["select", "--preset", "tiny"]) == 130
+    (run,) = _runs(schema.STAGE_SELECT, "KILLED")
+    assert {arm: run.data.tags.get(schema.TAG_CANDIDATE_PREFIX + arm) for arm in ARMS} == {
+        arm: workspace.sha256_file(trained[arm][1] / workspace.WEIGHTS_FILE) for arm in ARMS
+    }
+    assert not _candidate_entries()
+    capsys.readouterr()
+    assert cli.main(["select", "--preset", "tiny"]) == 0, capsys.readouterr().err
+    assert len(_candidate_entries()) == 2

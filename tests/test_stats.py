@@ -11,11 +11,16 @@ from scipy import optimize, stats
 
 from analysis.stats import (
     PairedTable,
+    balanced_table,
+    documents_for_power,
     newcombe_interval,
+    noninferiority_breakpoint,
+    paired_se,
     paired_t_upper_bound,
     paired_table,
     ratio_difference_clustered,
     speedup,
+    t_margin,
     tango_interval,
 )
 
@@ -272,3 +277,53 @@ def test_speedup_is_control_over_compressed():
 def test_speedup_rejects_non_positive(control, compressed):
     with pytest.raises(ValueError):
         speedup(control, compressed)
+
+
+# --- sensitivity ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(128, 1), (256, 6), (512, 30), (1024, 122)])
+def test_breakpoint_is_the_first_balanced_discordance_that_fails(n, k):
+    # At 128 cases one discordant case each way fails a -3 point margin; at 512, 29 each way still pass.
+    assert noninferiority_breakpoint(n, -0.03, 0.95) == k
+    assert tango_interval(balanced_table(n, k)).lower <= -0.03 < tango_interval(balanced_table(n, k - 1)).lower
+
+
+def test_breakpoint_edges():
+    # -z^2 / (n + z^2) is the lower limit with full agreement: -3.70 points at n = 100.
+    assert noninferiority_breakpoint(100, -0.03) == 0
+    assert noninferiority_breakpoint(64, -0.99) is None
+    with pytest.raises(ValueError):
+        noninferiority_breakpoint(0, -0.03)
+
+
+def test_balanced_table_has_no_difference_and_tango_ignores_the_split():
+    t = balanced_table(100, 7, accuracy=0.3)
+    assert (t.n, t.n10, t.n01, t.difference) == (100, 7, 7, 0.0) and t.n11 == round(86 * 0.3)
+    assert tango_interval(t) == pytest.approx(tango_interval(balanced_table(100, 7, accuracy=0.9)))
+    with pytest.raises(ValueError, match="do not fit"):
+        balanced_table(10, 6)
+
+
+def test_paired_se_by_hand():
+    t = PairedTable(n11=6, n10=14, n01=4, n00=104)
+    d = 10 / 128
+    assert paired_se(t) == pytest.approx(math.sqrt((18 / 128 - d * d) / 128))
+    assert paired_se(balanced_table(100, 0)) == 0.0
+
+
+def test_t_margin_is_the_bounds_distance_from_the_mean():
+    diffs = np.random.default_rng(3).normal(0.01, 0.1, 40)
+    bound = paired_t_upper_bound(diffs, 0.99)
+    assert t_margin(float(np.std(diffs, ddof=1)), 40, 0.99) == pytest.approx(bound.upper - bound.estimate)
+    # 128 documents at sd 0.1: the bound alone sits 0.0208 nats above the mean, more than 0.02.
+    assert t_margin(0.1, 128, 0.99) == pytest.approx(stats.t.ppf(0.99, 127) * 0.1 / math.sqrt(128)) and t_margin(0.1, 128) > 0.02
+
+
+@pytest.mark.parametrize("sd", [0.05, 0.1, 0.2])
+def test_documents_for_power_is_the_fewest_that_suffice(sd):
+    n = documents_for_power(sd, 0.02, 0.99, 0.8)
+    need = lambda m: (stats.t.ppf(0.99, m - 1) + stats.norm.ppf(0.8)) * sd / math.sqrt(m)
+    assert need(n) <= 0.02 < need(n - 1)
+    assert documents_for_power(0.1, 0.02, true_mean=0.02) is None
+    assert documents_for_power(0.0, 0.02) == 2

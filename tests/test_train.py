@@ -159,24 +159,29 @@ def _rank_processes(parent: psutil.Process) -> dict[int, psutil.Process]:
     return ranks
 
 
-def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run():
+def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(tmp_path):
+    """The fault matrix's "a rank killed" row (tests/test_faults.py holds the others)."""
     timeout = config.load("tiny").distributed.collective_timeout_s
-    stage = subprocess.Popen(
-        [sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={KILL_UPDATES}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    log = tmp_path / "stage.log"
+    with open(log, "w") as out:
+        # Output to a file: a pipe nobody reads fills up and stalls the stage.
+        stage = subprocess.Popen(
+            [sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={KILL_UPDATES}"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     try:
-        # Wait until rank 0 has logged an update: both ranks are then inside
+        # Wait until rank 0 has finished an update (its progress line; the
+        # per-update metrics may wait in memory): both ranks are then inside
         # the training loop, synchronizing every update.
         deadline = time.monotonic() + 240
         run = None
         while time.monotonic() < deadline and stage.poll() is None:
-            found = _runs("attributes.run_name = 'train-compressed-tiny' and attributes.status = 'RUNNING'")
-            if found and _client().get_metric_history(found[0].info.run_id, schema.M_LOSS):
-                run = found[0]
+            if "train compressed: update 1/" in log.read_text():
+                found = _runs("attributes.run_name = 'train-compressed-tiny' and attributes.status = 'RUNNING'")
+                run = found[0] if found else None
                 break
             time.sleep(0.2)
-        assert run is not None, "no update was logged"
+        assert run is not None, f"no update was done: {log.read_text()[-3000:]}"
 
         # While it trains, the job holds the devices: a second job is refused, naming it.
         with pytest.raises(RefusedError, match=f"pid {stage.pid} "):
@@ -194,7 +199,8 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run()
     finally:
         if stage.poll() is None:
             stage.kill()
-        stderr = stage.communicate()[1]
+            stage.wait()
+    stderr = log.read_text()
 
     assert stage.returncode == 2, stderr[-3000:]
     assert ended_in < timeout + 30
@@ -209,9 +215,10 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run()
     assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
     assert len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
     assert schema.TAG_CHECKPOINT_SHA not in failed.data.tags
-    # Nothing keeps the devices once the job is gone.
+    # Nothing keeps the devices once the job is gone, and it left nothing to recover.
     with lock.device_lock(launch.local_devices(2), "after"):
         pass
+    assert not (workspace.home() / "checkpoints" / run.info.run_id).exists()
 
 
 def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):

@@ -4,20 +4,24 @@ address and nothing else in common but the filesystem (the SQLite tracking
 store and the workspace) -- each namespace has its own loopback, so the ranks
 meet only over the veth, at the first host's address.
 
-Each host's rank is started by hand, as on hosts without ssh between them:
-the DeepSpeed launcher with `--no_ssh --node_rank N --master_addr ADDR0` and a
-hostfile naming both addresses, in front of exactly the worker command that
-`launch.command` builds for a hostfile. Its losses must be those of the
-one-host run of the same arm.
+Each host's node is started by hand, as on hosts without ssh between them,
+through the study's own `train` stage: `--nodes 2 --node-rank K --master-addr
+ADDR0 --master-port P`; node 0 opens the arm's run and prints the command for
+node 1 with its --run-id; node 1 runs from its own copy of the study folder.
+The run's losses must be those of the one-host run of the same arm, and the
+run is selected and evaluated like any other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +29,8 @@ import mlflow
 import pytest
 from fixtures import ROOT, run_cli
 
-from coopstudy import config
+from coopstudy import config, workspace
 from coopstudy.record import schema
-from coopstudy.run import launch
 
 pytestmark = pytest.mark.slow
 
@@ -119,17 +122,22 @@ class Planned:
     def uri(self) -> str:
         return f"sqlite:///{self.db}"
 
+    def env(self, home: Path | None = None, **extra: str) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": self.uri, "COOPSTUDY_HOME": str(home or self.home), **extra}
+
 
 @pytest.fixture(scope="module")
 def planned(probed_tiny_store, tmp_path_factory) -> Planned:
     copied = probed_tiny_store.copy(tmp_path_factory.mktemp("two-hosts"))
     home, db, env = copied.home, copied.db, copied.env()
-    for step in (("plan",), ("train", "--arm", "compressed")):
+    for step in (("plan",), ("train", "--arm", "control"), ("train", "--arm", "compressed")):
         done = run_cli(*step, "--preset", "tiny", env=env)
         assert done.returncode == 0, (step, done.stderr[-3000:])
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("coopstudy")
-    (run,) = client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = 'train' and attributes.status = 'FINISHED'")
+    (run,) = client.search_runs(
+        [exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = 'train' and tags.`{schema.TAG_ARM}` = 'compressed' and attributes.status = 'FINISHED'"
+    )
     return Planned(home, db, run.info.run_id)
 
 
@@ -137,37 +145,81 @@ def _losses(client: mlflow.MlflowClient, run_id: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, schema.M_LOSS), key=lambda m: m.step)]
 
 
-def test_compressed_arm_across_two_hosts_matches_one_host(two_hosts, planned, tmp_path):
+def _in_namespace(ns: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv], env={**os.environ, **env}, cwd=ROOT,
+            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+
+
+def _join_command(node0: subprocess.Popen, log: Path) -> list[str]:
+    """The command node 0 prints for node 1, once it has opened the run."""
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("train compressed: on node 1 run: "):
+                return shlex.split(line.removeprefix("train compressed: on node 1 run: "))
+        assert node0.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"node 0 printed no command for node 1: {log.read_text()[-3000:]}")
+
+
+def test_compressed_arm_started_node_by_node_is_the_record_selected_and_evaluated(two_hosts, planned, tmp_path):
+    """`coopstudy train --nodes 2 --node-rank K` on each host, by hand: node 0
+    opens the arm's run and prints node 1's command (with --run-id); node 1,
+    with a copy of the workspace as another host would have, joins it. The
+    run is the study's record: select takes it, evaluate scores it."""
     cfg = config.load("tiny")
     client = mlflow.MlflowClient(planned.uri)
-    run_id = client.create_run(client.get_experiment_by_name("coopstudy").experiment_id, run_name="train-compressed-tiny-two-hosts").info.run_id
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{addr} slots=1\n" for addr in ADDRESSES))
-    # The command `coopstudy train --hostfile` runs, with what a host started by hand adds.
-    deepspeed, *rest = launch.command(cfg, "compressed", run_id, hostfile=hostfile)
+    # The second host: its own copy of the study folder (prepared inputs, gate
+    # receipt, ledger), the same tracking store.
+    home_b = tmp_path / "host-b-home"
+    shutil.copytree(planned.home, home_b, ignore=shutil.ignore_patterns("locks", "checkpoints", "outbox"))
+    port = str(workspace.free_port())
+    node0_argv = [
+        sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed",
+        "--nodes", "2", "--node-rank", "0", "--master-addr", ADDRESSES[0], "--master-port", port,
+    ]  # fmt: skip
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
     procs = []
     try:
-        for node_rank, (ns, dev) in enumerate(zip(two_hosts.namespaces, two_hosts.devices)):
-            env = launch.worker_environment(cfg, run_id) | {
-                "MLFLOW_TRACKING_URI": planned.uri,
-                "COOPSTUDY_HOME": str(planned.home),
-                "GLOO_SOCKET_IFNAME": dev,
-            }
-            cmd = ["ip", "netns", "exec", ns, deepspeed, "--no_ssh", "--node_rank", str(node_rank), "--master_addr", ADDRESSES[0], *rest]
-            log = open(tmp_path / f"host{node_rank}.log", "w")
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
+        procs.append(_in_namespace(two_hosts.namespaces[0], node0_argv, planned.env(GLOO_SOCKET_IFNAME=two_hosts.devices[0]), logs[0]))
+        joined = _join_command(procs[0], logs[0])
+        assert joined[:4] == ["python", "-m", "coopstudy", "train"], joined
+        run_id = joined[joined.index("--run-id") + 1]
+        node1_argv = [sys.executable, *joined[1:]]
+        procs.append(_in_namespace(two_hosts.namespaces[1], node1_argv, planned.env(home_b, GLOO_SOCKET_IFNAME=two_hosts.devices[1]), logs[1]))
         codes = [p.wait(timeout=RANK_TIMEOUT_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    logs = {n: (tmp_path / f"host{n}.log").read_text()[-3000:] for n in (0, 1)}
-    assert codes == [0, 0], logs
+    said = {n: log.read_text()[-3000:] for n, log in enumerate(logs)}
+    assert codes == [0, 0], said
+    assert f"train compressed: node 1 of 2 (ranks 1-1), rendezvous {ADDRESSES[0]}:{port}, run {run_id}" in said[1]
+    assert f"train compressed: node 1 finished; node 0 ends run {run_id}" in said[1]
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "train-compressed-tiny"
+    assert run.data.tags[schema.TAG_CHECKPOINT_PATH] == str(planned.home / "checkpoints" / run_id)  # rank 0, node 0
     two = _losses(client, run_id)
     one = _losses(client, planned.one_host_run)
     assert len(two) == len(one) == cfg.train.updates, (one, two)
     for k, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-6 * abs(a), (k, a, b)
-    assert schema.TAG_CHECKPOINT_SHA in client.get_run(run_id).data.tags
+
+    # The record like any other: select takes it (the newest finished run of
+    # the arm under the plan), evaluate scores its weights.
+    env = planned.env()
+    selected = run_cli("select", "--preset", "tiny", env=env)
+    assert selected.returncode == 0, selected.stderr[-3000:]
+    exp = client.get_experiment_by_name("coopstudy").experiment_id
+    (select_run,) = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = 'select' and attributes.status = 'FINISHED'")
+    assert select_run.data.tags[schema.TAG_CANDIDATE_RUN_PREFIX + "compressed"] == run_id
+    evaluated = run_cli("evaluate", "--preset", "tiny", env=env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    (scored,) = client.search_runs([exp], f"tags.`{schema.TAG_MODEL}` = 'compressed' and attributes.status = 'FINISHED'")
+    assert scored.data.tags[schema.TAG_CHECKPOINT_SHA] == run.data.tags[schema.TAG_CHECKPOINT_SHA]
+    assert schema.M_ACCURACY in scored.data.metrics

@@ -1,16 +1,37 @@
 """Benchmarks that print a table and log it to MLflow (not timed tests).
 
     python -m coopstudy bench objective --preset tiny|smollm2-135m-cpu [--updates 2]
+    python -m coopstudy bench arms --preset smollm2-135m-cpu [--updates 8] [--arm control|compressed|both]
     python -m coopstudy bench generate --preset smollm2-135m-cpu [--items 32]
 
 (`python -m coopstudy.bench ...` is the same command.)
 
 `objective`: the batched training update (the control arm's microbatches,
-length-sorted and padded, one process) against the per-document reference
+length-sorted and packed, one process) against the per-document reference
 (each document alone) on the same documents from the same weights, in one
 run, with torch.set_num_threads(train.threads_per_device): milliseconds per
-update, their ratio, the loss of both (they must agree), and the padding
-efficiency of the whole schedule for both arms' shapes, sorted and unsorted.
+update, their ratio, the loss of both (they must agree), the padding
+efficiency of the updates it ran (real tokens / computed positions: 1.0,
+packed) and, for scale, what right-padding each microbatch would compute,
+for both arms' shapes, sorted and unsorted.
+
+`arms`: both arms' real training loops, one after the other (control first),
+each launched exactly as `train` launches it (coopstudy.run.launch: the
+control one plain `python -m coopstudy worker` process, the compressed arm
+that command under the DeepSpeed launcher, with the same environment and
+thread settings), for --updates updates of the committed schedule without a
+checkpoint, under the device lock. Launching both, rather than running the
+control inside this process, keeps the measured loops the ones `train` runs
+(their threads, allocator settings and environment), so the ratio is the
+study's. Needs prepared inputs (`prepare`). Each arm writes a child run
+(stage bench) with the per-update metrics and time breakdown of `train`;
+the parent run bench-arms-<preset> gets, per phase (updates
+1..powersgd.dense_updates dense, the rest compressed), the median seconds per
+update of each arm, their ratio, the median breakdown, the compute-only
+ratio (what the ratio would be if gradient communication and recording were
+free), the training FLOP/s each device achieved and the single-thread
+matmul peak measured in the same run (before and after the arms) that it is
+a fraction of.
 
 Documents come from the prepared inputs of the preset when they exist
 (`prepare` has run); otherwise synthetic documents of realistic shape are
@@ -34,9 +55,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +71,7 @@ from rich.table import Table
 
 from coopstudy import scoring, ui
 from coopstudy.commit import require
-from coopstudy.config import Config
+from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import chat, tasks
 from coopstudy.inputs.seed import resolve_seed
@@ -129,6 +153,7 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     ref_sched = update.build_scheduler(ref_opt, cfg.train.warmup_updates)
 
     batched_s, reference_s, loss_gaps = [], [], []
+    real_tokens = computed_tokens = 0
     # Row 0 warms both paths up (allocator, lazy inits) and is not timed; the
     # two paths then alternate update by update, so both see the same machine.
     for k in range(updates + 1):
@@ -139,6 +164,8 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
             precision=precision, grad_clip=cfg.train.grad_clip,
         )
         console.print(f"update {k + 1}{' (warm-up)' if k == 0 else ''}: batched {got.seconds:.2f} s, per-document {want.seconds:.2f} s")
+        real_tokens += got.local_tokens
+        computed_tokens += got.computed_tokens
         if k:
             batched_s.append(got.seconds)
             reference_s.append(want.seconds)
@@ -146,12 +173,14 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
 
     lengths = [len(d.input_ids) for d in docs]
     padding = {
-        (arm, sort): batching.padding_efficiency(
-            lengths, schedule, getattr(cfg.arms, arm).workers, getattr(cfg.arms, arm).microbatch, sort=sort
+        (arm, sort, packed): batching.padding_efficiency(
+            lengths, schedule, getattr(cfg.arms, arm).workers, getattr(cfg.arms, arm).microbatch, sort=sort, packed=packed
         ).ratio
         for arm in ("control", "compressed")
         for sort in (True, False)
+        for packed in (True, False)
     }
+    measured = real_tokens / computed_tokens if computed_tokens else 1.0
     batched_ms = 1000 * statistics.mean(batched_s)
     reference_ms = 1000 * statistics.mean(reference_s)
     result = {
@@ -161,7 +190,8 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
         schema.M_BENCH_LOSS_REL_GAP: max(loss_gaps),
         **{
             f"{schema.M_BENCH_PADDING_PREFIX}{'sorted' if sort else 'unsorted'}/{arm}": ratio
-            for (arm, sort), ratio in padding.items()
+            for (arm, sort, packed), ratio in padding.items()
+            if packed
         },
     }
 
@@ -175,11 +205,13 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     table.add_row("per-document ms / update", f"{reference_ms:,.0f}")
     table.add_row("ratio (per-document / batched)", f"{reference_ms / batched_ms:.2f}x")
     table.add_row("loss, max relative gap", f"{max(loss_gaps):.1e}")
+    table.add_row("padding efficiency, measured (real / computed tokens)", f"{measured:.3f} ({real_tokens:,} / {computed_tokens:,})")
     for arm in ("control", "compressed"):
         shape = getattr(cfg.arms, arm)
         table.add_row(
             f"padding efficiency, {arm} ({shape.workers} x mb {shape.microbatch})",
-            f"sorted {padding[(arm, True)]:.3f} / unsorted {padding[(arm, False)]:.3f}",
+            f"packed {padding[(arm, True, True)]:.3f}; padded would be sorted {padding[(arm, True, False)]:.3f}"
+            f" / unsorted {padding[(arm, False, False)]:.3f}",
         )
     console.print(table)
     rows = [{"quantity": r[0], "value": r[1]} for r in zip(table.columns[0].cells, table.columns[1].cells)]
@@ -189,7 +221,262 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     return result
 
 
-HELP = "benchmarks: the batched update against the per-document reference; batched generation"
+# --- bench arms ----------------------------------------------------------------
+
+_PARTS = (
+    ("update", schema.M_UPDATE_SECONDS),
+    ("forward_backward", schema.M_FORWARD_BACKWARD_SECONDS),
+    ("comm", schema.M_COMM_SECONDS),
+    ("optimizer", schema.M_OPTIMIZER_SECONDS),
+    ("other", schema.M_OTHER_SECONDS),
+    ("record", schema.M_RECORD_SECONDS),
+    ("tokens", schema.M_TOKENS),
+)
+_SECONDS = [part for part, _ in _PARTS if part != "tokens"]
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, *, seconds: float = 0.5) -> float:
+    """The best GFLOP/s of a few matmuls (model-like, then larger square
+    shapes) on `device`; on CPU with the current torch thread count (one, in
+    the bench). About `seconds` per shape; a shape whose single call already
+    takes longer ends the search (a CPU without native bf16 runs bf16 matmuls
+    at a few GFLOP/s)."""
+    best = 0.0
+    shapes = ((512, 576, 1536), (1024, 1024, 1024), (2048, 2048, 2048)) if device.type == "cpu" else ((8192, 8192, 8192), (16384, 4096, 4096))
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        # The first call chooses kernels and allocates: timed only to decide.
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first = time.perf_counter() - start
+        if first > seconds:
+            return max(best, 2 * m * k * n / first / 1e9)
+        calls, start = 0, time.perf_counter()
+        while True:
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        best = max(best, 2 * m * k * n * calls / elapsed / 1e9)
+    return best
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count needs of the seed model."""
+
+    parameters: int
+    """Distinct parameters (tied embeddings once)."""
+    matmul_parameters: int
+    """Parameters of the matrices every token passes through (all but the embedding and the output layer)."""
+    output_parameters: int
+    """The output layer's (vocab x hidden), computed at target tokens only."""
+    layers: int
+    attention_width: int
+    """Query heads x head dimension."""
+
+    @classmethod
+    def of(cls, seed_path) -> "ModelShape":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(seed_path)
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config)
+        total = sum(p.numel() for p in lm.parameters())
+        embedding = lm.get_input_embeddings().weight.numel()
+        output = lm.get_output_embeddings().weight.numel()
+        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            parameters=total,
+            matmul_parameters=total - embedding - (0 if tied else output),
+            output_parameters=output,
+            layers=config.num_hidden_layers,
+            attention_width=config.num_attention_heads * head_dim,
+        )
+
+    def training_flops(self, documents: Sequence) -> tuple[float, float]:
+        """(executed, nominal) FLOPs of one training update on `documents`:
+        executed = 6·matmul parameters·tokens + 6·output layer·target tokens +
+        causal attention within each document, 6·layers·width·n(n+1) per
+        document of n tokens (QKᵀ and AV over the lower triangle, forward and
+        twice for the backward); nominal = 6·parameters·tokens + that attention."""
+        tokens = sum(len(d.input_ids) for d in documents)
+        targets = sum(sum(1 for w in d.weights[1:] if w > 0) for d in documents)
+        attention = sum(6 * self.layers * self.attention_width * len(d.input_ids) * (len(d.input_ids) + 1) for d in documents)
+        executed = 6 * self.matmul_parameters * tokens + 6 * self.output_parameters * targets + attention
+        return float(executed), float(6 * self.parameters * tokens + attention)
+
+
+def _history(client, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tuple[str, dict]:
+    """One arm's real loop, launched as `train` launches it, into its own child run."""
+    from mlflow import MlflowClient
+
+    from coopstudy.record import store
+    from coopstudy.run import launch
+
+    workers = getattr(cfg.arms, arm).workers
+    with writer.stage_run(schema.STAGE_BENCH, cfg, arm=arm, run_name=f"bench-arms-{arm}-{cfg.preset}", log_config=False) as rec:
+        held.note(run_id=rec.run_id)
+        cmd = launch.command(cfg, arm, rec.run_id, updates=updates, checkpoint=False)
+        how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
+        console.print(f"bench arms: {arm}, {how}, {updates} updates, run {rec.run_id}")
+        done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
+        rec.log_metrics({schema.M_COMPLETE_SECONDS: done.complete_seconds, schema.M_DEVICE_SECONDS: workers * done.complete_seconds})
+        if done.returncode != 0:
+            tags = MlflowClient(store.tracking_uri()).get_run(rec.run_id).data.tags
+            said = [f"rank {r}: {tags[k]}" for r in range(workers) if (k := f"{schema.TAG_WORKER_ERROR_PREFIX}{r}") in tags]
+            raise UserError("; ".join([f"bench arms: the {arm} arm failed ({launch.exit_reason(done.returncode, launcher=workers > 1)})", *said]))
+        client = MlflowClient(store.tracking_uri())
+        per_update = {part: _history(client, rec.run_id, key) for part, key in _PARTS}
+        with tempfile.TemporaryDirectory(prefix="coopstudy-bench-") as tmp:
+            summary = json.loads(store.download_artifact(rec.run_id, schema.ART_TRAIN_SUMMARY, tmp).read_text())
+        final = client.get_run(rec.run_id).data.metrics
+    return rec.run_id, {"per_update": per_update, "summary": summary, "complete_seconds": done.complete_seconds, "metrics": final}
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console: Console) -> dict[str, float]:
+    from coopstudy.run import launch, lock
+
+    dense = cfg.powersgd.dense_updates
+    updates = updates if updates is not None else min(cfg.train.updates, dense + 5)
+    if not 1 <= updates <= cfg.train.updates:
+        raise UserError(f"--updates: between 1 and train.updates ({cfg.train.updates}), not {updates}")
+    prepared, seed = require.seeded_inputs(cfg)
+    shape = ModelShape.of(seed.path)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.train.threads_per_device)
+    try:
+        peaks = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
+        console.print("matmul peak before the arms: " + ", ".join(f"{n} {g:,.1f} GFLOP/s" for n, g in peaks.items()))
+        phases = {"dense": range(1, min(dense, updates) + 1), "compressed": range(dense + 1, updates + 1)}
+        phases = {name: list(steps) for name, steps in phases.items() if len(steps)}
+        flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
+
+        results: dict[str, dict] = {}
+        devices = launch.devices_of(cfg, arms, None)
+        with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-arms-{cfg.preset}") as parent:
+            with lock.device_lock(devices, f"coopstudy bench arms --preset {cfg.preset}") as held:
+                for arm in arms:
+                    _, results[arm] = _run_arm(cfg, arm, updates, held, console)
+            after = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
+
+            metrics: dict[str, float] = {}
+            for name, gflops in peaks.items():
+                metrics[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}{name}"] = gflops
+                metrics[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}{name}/after"] = after[name]
+            medians: dict[tuple[str, str, str], float] = {}
+            ideal_compressed: dict[str, float] = {}
+            for arm, got in results.items():
+                per = got["per_update"]
+                for phase, steps in phases.items():
+                    for part in _SECONDS:
+                        value = _median([per[part][k] for k in steps if k in per[part]])
+                        medians[(phase, arm, part)] = value
+                        metrics[f"{schema.M_BENCH_ARMS_PREFIX}{phase}/{arm}/{part}"] = value
+                if arm == "compressed":
+                    by_rank = got["summary"]["times_by_rank"]
+                    for phase, steps in phases.items():
+                        # Free communication and recording: the slowest rank's compute, rank 0's optimizer and rest.
+                        ideal_compressed[phase] = _median(
+                            [
+                                max(r["forward_backward"][k - 1] for r in by_rank) + by_rank[0]["optimizer"][k - 1] + by_rank[0]["other"][k - 1]
+                                for k in steps
+                            ]
+                        )
+                workers = getattr(cfg.arms, arm).workers
+                seconds = [per["update"][k] for k in range(1, updates + 1) if k in per["update"]]
+                executed = sum(flops[k][0] for k in range(1, updates + 1) if k in per["update"])
+                achieved = executed / sum(seconds) / workers / 1e9 if seconds else math.nan
+                metrics[f"{schema.M_BENCH_ACHIEVED_PREFIX}{arm}"] = achieved
+                tokens = sum(per["tokens"].get(k, 0) for k in range(1, updates + 1) if k in per["update"])
+                metrics[f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}{arm}"] = tokens / sum(seconds) if seconds else math.nan
+                metrics[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}{arm}"] = achieved / peaks.get(cfg.train.precision, peaks["fp32"])
+            if len(results) == 2:
+                for phase in phases:
+                    control = medians[(phase, "control", "update")]
+                    metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
+                    metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal_compressed[phase]
+
+            rows = _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, flops, updates)
+            parent.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
+            parent.log_table(rows, schema.ART_BENCH_ARMS_TABLE)
+        return metrics
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, flops, updates) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = []
+
+    def add(table: Table, *cells: str) -> None:
+        table.add_row(*cells)
+        rows.append({"table": table.title or "", **{str(c.header): v for c, v in zip(table.columns, cells)}})
+
+    arms = list(results)
+    for phase, steps in phases.items():
+        table = Table(title=f"{phase}, updates {steps[0]}-{steps[-1]}: median s/update (rank 0)")
+        table.add_column("part")
+        for arm in arms:
+            table.add_column(arm, justify="right")
+        for part in _SECONDS:
+            add(table, part, *(f"{medians[(phase, arm, part)]:.3f}" for arm in arms))
+        if len(arms) == 2:
+            add(table, "ratio control / compressed", f"{metrics[f'{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}']:.3f}x", "")
+            add(table, "compute-only ideal ratio", f"{metrics[f'{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}']:.3f}x", "")
+        console.print(table)
+    if "compressed" in results:
+        by_rank = results["compressed"]["summary"]["times_by_rank"]
+        table = Table(title="compressed arm by rank: median s/update, all updates")
+        table.add_column("rank")
+        for part in ("forward_backward", "communication", "optimizer", "other"):
+            table.add_column(part, justify="right")
+        for r, parts in enumerate(by_rank):
+            add(table, str(r), *(f"{_median(parts[p]):.3f}" for p in ("forward_backward", "communication", "optimizer", "other")))
+        console.print(table)
+    table = Table(title=f"training FLOP/s per device, {updates} updates, {cfg.train.precision}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name in peaks:
+        add(table, f"{name} matmul peak, {torch.get_num_threads()} thread(s): before / after the arms", f"{peaks[name]:,.1f} / {after[name]:,.1f} GFLOP/s")
+    executed = sum(f[0] for f in flops.values())
+    nominal = sum(f[1] for f in flops.values())
+    add(table, "model", f"{shape.parameters / 1e6:,.1f} M parameters ({shape.matmul_parameters / 1e6:,.1f} M in every token's matmuls)")
+    add(table, "training FLOPs, executed / nominal (6·N·T + attention)", f"{executed / 1e12:,.3f} / {nominal / 1e12:,.3f} TFLOP")
+    for arm in results:
+        workers = getattr(cfg.arms, arm).workers
+        rate = metrics[f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}{arm}"]
+        add(table, f"{arm}: tokens/s (all {workers} device(s) / per device)", f"{rate:,.0f} / {rate / workers:,.0f}")
+        final = results[arm]["metrics"]
+        memory = f"peak RSS {final.get(schema.M_PEAK_RSS_MB, math.nan):,.0f} MiB"
+        if schema.M_CUDA_MAX_ALLOCATED_MB in final:
+            memory += (f", CUDA max allocated {final[schema.M_CUDA_MAX_ALLOCATED_MB]:,.0f} MiB,"
+                       f" max reserved {final.get(schema.M_CUDA_MAX_RESERVED_MB, math.nan):,.0f} MiB")  # fmt: skip
+        add(table, f"{arm}: memory (largest over ranks)", memory)
+        achieved = metrics[f"{schema.M_BENCH_ACHIEVED_PREFIX}{arm}"]
+        add(table, f"{arm}: achieved per device / fraction of the {cfg.train.precision} peak",
+            f"{achieved:,.1f} GFLOP/s / {metrics[f'{schema.M_BENCH_PEAK_FRACTION_PREFIX}{arm}']:.1%}")  # fmt: skip
+    console.print(table)
+    return rows
+
+
+HELP = "benchmarks: the packed update against the per-document reference; both arms' loops; batched generation"
 DESCRIPTION = __doc__
 
 
@@ -202,6 +489,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
     p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
                    help="prepared inputs, synthetic documents, or prepared when they exist (default)")  # fmt: skip
+    a = sub.add_parser("arms", help="both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
+    add_config_arguments(a)
+    a.add_argument("--updates", type=int, default=None,
+                   help="updates of each arm (default: powersgd.dense_updates + 5, at most train.updates)")  # fmt: skip
+    a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
     g = sub.add_parser("generate", help="batched against one-at-a-time greedy generation on the seed model")
     add_config_arguments(g)
     g.add_argument("--items", type=int, default=32, help="test cases to generate (default 32)")
@@ -210,6 +502,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.bench == "generate":
         return bench_generate(cfg, args.items)
+    if args.bench == "arms":
+        arms = ARMS if args.arm == "both" else (args.arm,)
+        bench_arms(cfg, updates=args.updates, arms=arms, console=ui.console(120))
+        return 0
     if args.updates < 1:
         raise UserError("--updates: at least 1")
     bench_objective(cfg, updates=args.updates, source=args.documents, console=ui.console(110))

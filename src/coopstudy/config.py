@@ -77,14 +77,24 @@ class DataConfig(_Section):
     """reasoning-gym config overrides per family; the family's default config otherwise."""
     replay_docs: int = NonNegInt
     retention_docs: int = PositiveInt
-    replay_source: str = "pydoc"
-    """'pydoc' (CPython's documentation topics, offline) or a path to a
-    JSONL/Parquet export of a chat dataset with a `messages` column."""
+    replay_source: str = "chitchat"
+    """Where replay documents and retention probes come from, both offline:
+    'chitchat' (the chitchat-dataset package: human open-domain conversations),
+    'pydoc' (CPython's documentation topics and docstrings) or a path to a
+    .jsonl/.parquet export of a chat dataset with a `messages` column. Probes
+    and replay share no topic, word 13-gram or long message."""
     replay_seed: int = 7
     max_context: int = Field(gt=16)
     answer_weight: float = Field(8.0, gt=0)
     replay_weight: float = Field(1.0, gt=0)
     schedule_seed: int = 11
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "DataConfig":
+        source = self.replay_source
+        if source not in ("chitchat", "pydoc") and Path(source).suffix not in (".jsonl", ".parquet"):
+            raise ValueError(f"replay_source: {source!r} is none of chitchat, pydoc or a path to a .jsonl or .parquet file")
+        return self
 
 
 class ArmConfig(_Section):

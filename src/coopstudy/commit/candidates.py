@@ -1,9 +1,13 @@
 """The two predetermined final candidates: each arm's final checkpoint of the
 planned run, committed once, by the sha256 of its weights.
 
-`select_final` finds the newest FINISHED train run of each arm under the
-plan, re-hashes its checkpoint against the hash that run recorded, and
-appends both to the ledger (kind candidate, subject `<plan sha>/<arm>`).
+`final_candidates` finds the newest FINISHED train run of each arm under the
+plan and re-hashes its checkpoint against the hash that run recorded;
+`commit` appends both to the ledger (kind candidate, subject
+`<plan sha>/<arm>`); the select step mirrors them on its run in between, so
+the record holds every selection the ledger does. Only FINISHED runs are
+candidates: a run interrupted, stopped or killed (KILLED or FAILED), or one
+whose stage died with it (left RUNNING), never is, whatever it left on disk.
 `verified_selection` gives the committed candidates back after re-hashing
 the weights on disk.
 """
@@ -86,13 +90,15 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
 
 
 def committed(plan_sha: str, ledger: ledger_mod.Ledger) -> list[ledger_mod.Entry]:
-    """Candidate entries of this plan, oldest first."""
+    """Candidate entries of this plan, oldest first, after comparing the
+    ledger's commitments with the record (ledger.Ledger.check_record)."""
     prefix = subject(plan_sha, "")
-    return [e for e in ledger.entries() if e.kind == ledger_mod.CANDIDATE and e.subject.startswith(prefix)]
+    entries = ledger.entries()
+    ledger.check_record(entries)
+    return [e for e in entries if e.kind == ledger_mod.CANDIDATE and e.subject.startswith(prefix)]
 
 
-def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
-    """Commit each arm's final checkpoint, once per plan."""
+def _refuse_if_selected(plan_sha: str, ledger: ledger_mod.Ledger) -> None:
     earlier = committed(plan_sha, ledger)
     if earlier:
         first = earlier[0]
@@ -100,14 +106,28 @@ def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_
             f"the final candidates of plan {plan_sha[:12]} were already selected at {when(first.time)} "
             f"by select run {first.details.get('select_run_id')}; a selection is made once"
         )
+
+
+def final_candidates(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
+    """Each arm's final checkpoint, its weights re-hashed against what its
+    train run recorded; refused when this plan's candidates were already selected."""
+    _refuse_if_selected(plan_sha, ledger)
     found = final_train_runs(cfg, plan_sha)
     for arm, cand in found.items():
         actual = weights_sha256(cand.path, f"arm {arm}")
         if actual != cand.sha256:
             raise RefusedError(
                 f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
-                f"recorded {cand.sha256[:12]}; the checkpoint changed after training"
+                f"recorded {cand.sha256[:12]}; the checkpoint changed after training: restore it from that run's "
+                f"`{schema.ART_CHECKPOINT}` artifact, or train again (`python -m coopstudy train --preset {cfg.preset} --arm {arm}`)"
             )
+    return found
+
+
+def commit(cfg: Config, plan_sha: str, found: dict[str, Candidate], select_run_id: str, ledger: ledger_mod.Ledger) -> None:
+    """Append both candidates, unless another select committed this plan's
+    first: the caller holds the ledger's lock (Ledger.locked) from its check on."""
+    _refuse_if_selected(plan_sha, ledger)
     for arm in ARMS:
         cand = found[arm]
         ledger.append(
@@ -116,6 +136,12 @@ def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_
             cand.sha256,
             {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
         )
+
+
+def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
+    """Commit each arm's final checkpoint, once per plan (two selects at once:
+    the second waits for the ledger, then refuses)."""
+    with ledger.locked():
+        found = final_candidates(cfg, plan_sha, ledger)
+        commit(cfg, plan_sha, found, select_run_id, ledger)
     return found
-
-

@@ -2,8 +2,10 @@
 before any full training run.
 
 It holds the resolved config of both arms, the screens' thresholds and
-methods, and the hashes of everything the runs will depend on: the numerical
-sources, every prepared input, the gate receipt and every probe receipt,
+methods, and the hashes of everything the runs will depend on: every source
+file that decides a number (`sources.deciding_sources()`: the training
+worker, data preparation, evaluation and analysis, with the numerical sources
+among them), every prepared input, the gate receipt and every probe receipt,
 plus the probes' choice and each arm's cost and time projection.
 `require.committed_plan(cfg)` checks that nothing it hashes has changed and returns
 its sha256, which every later run carries as schema.TAG_PLAN.
@@ -86,8 +88,8 @@ def _arm_receipt(cfg: Config, arm: str, kept: dict[str, dict[str, Any]]) -> tupl
 def build(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> dict[str, Any]:
     """The plan document for `cfg` from the commitments on disk now: the
     checked inputs and gate receipt (coopstudy.commit.require), the probe
-    receipts, the numerical sources."""
-    sources_sha, files = sources.numerical_sources_sha256()
+    receipts, the deciding sources."""
+    sources_sha, files = sources.deciding_sources_sha256()
     kept = receipts.probe_receipts(cfg)
     if not kept:
         raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}; run `python -m coopstudy probe --preset {cfg.preset}` first")
@@ -146,7 +148,7 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if old.get(key) == new.get(key):
             continue
         if key == "sources":
-            out.append("numerical source " + ", ".join(changed(old[key]["files"], new[key]["files"])))
+            out.append("source " + ", ".join(changed(old[key]["files"], new[key]["files"])))
         elif key == "probe_receipts":
             out.append("probe receipt " + ", ".join(changed(old[key], new[key])))
         elif key == "inputs":

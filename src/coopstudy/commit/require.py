@@ -86,11 +86,11 @@ def committed_plan(cfg: Config) -> str:
     if planning.digest(old) != entry.digest:
         raise RefusedError(f"the plan file {stored} was edited after it was committed")
     rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study --preset {cfg.preset}`)"
-    # The cheap checks first, each naming the files that changed.
-    _, files = sources.numerical_sources_sha256()
-    if files != old["sources"]["files"]:
-        changed = planning.changed(old["sources"]["files"], files)
-        raise RefusedError(f"changed since the plan {short} was committed: numerical source {', '.join(changed)}; {rerun}")
+    # The cheap checks first, each naming the files that changed: every
+    # source that decides a number (sources.deciding_sources) is bound.
+    changed = sources.changed_sources(old["sources"]["files"])
+    if changed:
+        raise RefusedError(f"changed since the plan {short} was committed: source {', '.join(changed)}; {rerun}")
     hashes = receipts.receipt_hashes(cfg)
     if hashes != old["probe_receipts"]:
         changed = planning.changed(old["probe_receipts"], hashes)

@@ -3,7 +3,17 @@
 The numerical sources (the protocol's: objective, batching, update, the
 distributed step and the gate that checks them) are every module of
 `coopstudy/numerics/`: a file added there is bound without a list to edit.
-Names are relative to the package, e.g. `numerics/objective.py`.
+Names are relative to the package, e.g. `numerics/objective.py`. The gate
+receipt binds them.
+
+The deciding sources are every file that decides a number of the study: the
+import closure of the training worker and the stages that launch it, data
+preparation, evaluation and the report, and every module of
+`coopstudy/inputs/`, `coopstudy/numerics/` and `analysis/` (DECIDING_ROOTS,
+DECIDING_FOLDERS). Names are relative to the project, e.g.
+`src/coopstudy/run/worker.py`, `analysis/screens.py`. The plan binds them;
+every stage after it refuses when one changed (`coopstudy.commit.require`,
+`analysis.records`). One list, derived: `deciding_sources()`.
 """
 
 from __future__ import annotations
@@ -32,6 +42,58 @@ def numerical_sources_sha256(directory: Path | None = None) -> tuple[str, dict[s
     files = {name: workspace.sha256_file(root / name) for name in numerical_sources(root)}
     combined = workspace.sha256_bytes("".join(f"{name}\t{sha}\n" for name, sha in sorted(files.items())).encode())
     return combined, files
+
+
+DECIDING_ROOTS = (
+    "coopstudy.run.worker",
+    "coopstudy.steps.prepare",
+    "coopstudy.steps.train",
+    "coopstudy.steps.evaluate",
+    "coopstudy.steps.report",
+    "coopstudy.scoring",
+)
+"""Modules whose import closure decides the study's numbers: the training
+process (started by command, so named here, not imported), the stages that
+prepare inputs, launch and time training, score models and report."""
+DECIDING_FOLDERS = ("src/coopstudy/inputs", "src/coopstudy/numerics", "analysis")
+"""Folders (relative to the project) every module of which decides numbers,
+imported or not: a module added there is bound without a list to edit."""
+
+
+def project_dir() -> Path:
+    """The checkout this package was imported from: the folder above `src/`."""
+    return PACKAGE.parents[1]
+
+
+def _folder_modules(folder: str) -> list[str]:
+    base = project_dir() / folder
+    prefix = folder.removeprefix("src/").replace("/", ".")
+    return [f"{prefix}.{p.stem}" if p.stem != "__init__" else prefix for p in sorted(base.glob("*.py"))]
+
+
+def deciding_sources() -> list[str]:
+    """Every source file that decides a number of the study, relative to the project, sorted."""
+    modules = [*DECIDING_ROOTS, *(m for folder in DECIDING_FOLDERS for m in _folder_modules(folder))]
+    return closure(*modules)
+
+
+def deciding_sources_sha256() -> tuple[str, dict[str, str]]:
+    """(combined sha256, {file: sha256}) of deciding_sources()."""
+    root = project_dir()
+    files = {name: workspace.sha256_file(root / name) for name in deciding_sources()}
+    combined = workspace.sha256_bytes("".join(f"{name}\t{sha}\n" for name, sha in sorted(files.items())).encode())
+    return combined, files
+
+
+def changed_sources(committed: dict[str, str]) -> list[str]:
+    """The deciding sources that differ from `committed` ({file: sha256}), each
+    with what happened to it: `file (changed|new|removed)`, sorted."""
+    _, now = deciding_sources_sha256()
+    return [
+        f"{name} ({'removed' if name not in now else 'new' if name not in committed else 'changed'})"
+        for name in sorted(set(committed) | set(now))
+        if committed.get(name) != now.get(name)
+    ]
 
 
 def library_versions() -> dict[str, str]:
@@ -80,5 +142,5 @@ def closure(*modules: str) -> list[str]:
         parent = name.rpartition(".")[0]
         if parent:
             todo.append(parent)
-    root = PACKAGE.parents[1]
+    root = project_dir()
     return sorted({str(p.relative_to(root)) for p in seen.values()})

@@ -10,7 +10,9 @@ A folder `<home>/prepared/<content hash>/` holds
   test.jsonl       {"case_id", "family", "messages" (the prompt), "entry" (for the verifier)}
   schedule.json    {"updates": [[train index] * global_batch] * updates, ...}
   manifest.json    sha256 of every file, counts, token statistics, truncation,
-                   dropped test questions, the seed model's sha256.
+                   dropped test questions, the seed model's sha256; where the
+                   conversations came from, how replay and retention were split
+                   and the overlap checks (each 0).
 The sha256 of manifest.json is the inputs commitment. `prepare` appends it to
 the ledger under `inputs_key(cfg)`; `coopstudy.commit.require.inputs(cfg)` finds it there and
 re-hashes every file before handing the data out.
@@ -37,6 +39,10 @@ TRAIN, RETENTION, TEST, SCHEDULE = "train.jsonl", "retention.jsonl", "test.jsonl
 FILES = (TRAIN, RETENTION, TEST, SCHEDULE)
 MANIFEST = "manifest.json"
 FORMAT = 1
+
+RETENTION_MIN_GROUPS = 4
+"""Topics the retention probes are drawn from, at least: one topic would make
+the probes one conversation theme, not the seed's general conversation."""
 
 T = TypeVar("T")
 Track = Callable[[Sequence[T], str], Iterable[T]]
@@ -132,6 +138,79 @@ def make_schedule(documents: int, updates: int, global_batch: int, seed: int) ->
     return [order[k * global_batch : (k + 1) * global_batch] for k in range(updates)]
 
 
+def split_conversations(
+    pool: conversations.Pool, retention_docs: int, replay_docs: int, seed: int
+) -> tuple[list[conversations.Conversation], list[conversations.Conversation], dict[str, Any]]:
+    """(retention probes, replay documents, what the split did, for the manifest).
+
+    Probes come first, so changing replay_docs leaves them as they are: whole
+    topics are held out, in seeded order, until they hold retention_docs
+    conversations and number at least RETENTION_MIN_GROUPS, and the probes are
+    drawn from those. Replay comes from the other topics only, in seeded order,
+    skipping any conversation that shares a word 13-gram or a long message
+    with a probe: probes measure what the training never shows, not siblings
+    of what it trains on."""
+    convs = pool.conversations
+    groups: dict[str, list[int]] = {}
+    for i, conv in enumerate(convs):
+        groups.setdefault(conv.group, []).append(i)
+    names = sorted(groups)
+    held: list[int] = []
+    held_topics: list[str] = []
+    for k in permutation(len(names), "retention-topics", seed):
+        if len(held) >= retention_docs and len(held_topics) >= RETENTION_MIN_GROUPS:
+            break
+        held_topics.append(names[k])
+        held += groups[names[k]]
+    probes = [convs[held[k]] for k in permutation(len(held), "retention", seed)[:retention_docs]]
+    held_set = set(held)
+    rest = [i for i in range(len(convs)) if i not in held_set]
+    seen = conversations.Fingerprints.of(probes)
+    replay: list[conversations.Conversation] = []
+    skipped = 0
+    for k in permutation(len(rest), "replay", seed):
+        if len(replay) == replay_docs:
+            break
+        conv = convs[rest[k]]
+        if seen.overlaps(conv):
+            skipped += 1
+            continue
+        replay.append(conv)
+    if len(replay) < replay_docs:
+        raise UserError(
+            f"data.replay_docs: {replay_docs} replay conversations do not fit: {len(convs)} distinct conversations, "
+            f"{len(held)} held out with the retention probes' topics, {skipped} sharing text with a probe; "
+            f"lower data.replay_docs or data.retention_docs"
+        )
+    topics = [t.removeprefix("topic:") for t in held_topics if t.startswith("topic:")]
+    return probes, replay, {
+        "source": pool.info["source"],
+        "retention": len(probes),
+        "replay": len(replay),
+        "retention_topics": topics,
+        "retention_groups": len(held_topics),
+        "held_out_unused": len(held) - len(probes),
+        "replay_topics": len({c.group for c in replay}),
+        "replay_skipped_for_overlap": skipped,
+        "overlap_rule": (
+            f"no shared topic, no shared word {conversations.NGRAM}-gram, no shared message of "
+            f"{conversations.MIN_SHARED_CHARS}+ characters (lower case, spaces collapsed), no shared id or conversation"
+        ),
+    }
+
+
+def describe_split(manifest: dict[str, Any]) -> str:
+    """One line: where replay and retention come from, how many, and the overlap check."""
+    info, split, checks = manifest["conversations"], manifest["split"], manifest["checks"]
+    source = info.get("package") or info["source"]
+    shared = sum(v for k, v in checks.items() if k != "test_questions_in_training")
+    return (
+        f"replay {split['replay']} and retention {split['retention']} conversations from {info['source']} ({source}, "
+        f"{info['usable']} usable); retention from {split['retention_groups']} held-out topics; "
+        f"overlap with replay: {shared} ({split['replay_skipped_for_overlap']} replay candidates skipped for shared text)"
+    )
+
+
 def truncate(doc: Document, max_context: int) -> tuple[Document, int]:
     """The document cut to max_context tokens, and how many tokens were cut."""
     cut = len(doc.input_ids) - max_context
@@ -178,8 +257,14 @@ def _check_prompts(cfg: Config, docs: Sequence[Document], test_prompts: dict[str
         )
 
 
-def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked) -> Built:
-    """Generate, tokenize, weigh, truncate and schedule; nothing is written."""
+def conversation_pool(cfg: Config) -> conversations.Pool:
+    """The conversations data.replay_source gives, enough for replay and retention, or a UserError."""
+    return conversations.load_pool(cfg.data.replay_source, cfg.data.replay_docs + cfg.data.retention_docs)
+
+
+def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked, pool: conversations.Pool | None = None) -> Built:
+    """Generate, tokenize, weigh, truncate and schedule; nothing is written.
+    `pool`: conversation_pool(cfg), when the caller has loaded it already."""
     d = cfg.data
     tasks.check_seed_ranges(d.families, d.generation_seed, d.tasks_per_family, d.test_seed, d.test_per_family)
     options = cfg.data.family_options
@@ -187,11 +272,8 @@ def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked) ->
     training_questions = {t.question for t in train_tasks}
     final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions, options)
 
-    pool = conversations.load_pool(d.replay_source, d.replay_docs + d.retention_docs)
-    shuffled = [pool.conversations[i] for i in permutation(len(pool.conversations), "replay", d.replay_seed)]
-    # Retention probes come first, so changing replay_docs leaves them as they are.
-    retention_convs = shuffled[: d.retention_docs]
-    replay_convs = shuffled[d.retention_docs : d.retention_docs + d.replay_docs]
+    pool = pool or conversation_pool(cfg)
+    retention_convs, replay_convs, split = split_conversations(pool, d.retention_docs, d.replay_docs, d.replay_seed)
 
     task_docs = [
         _encode(tokenizer, f"{t.family}/{t.index}", "task", t.family, tasks.training_messages(t), d.answer_weight)
@@ -208,9 +290,10 @@ def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked) ->
 
     # Checked, not assumed: disjointness holds by construction, a failure here is a bug.
     shared_questions = training_questions & {t.question for t in final.tasks}
-    shared_conversations = {c.digest for c in replay_convs} & {c.digest for c in retention_convs}
-    if shared_questions or shared_conversations:
-        raise RuntimeError(f"prepare: {len(shared_questions)} test questions in training, {len(shared_conversations)} retention probes in replay")
+    overlap = conversations.overlap_checks(retention_convs, replay_convs)
+    if shared_questions or any(overlap.values()):
+        found = ", ".join(f"{k} {v}" for k, v in overlap.items() if v)
+        raise RuntimeError(f"prepare: {len(shared_questions)} test questions in training; retention against replay: {found or 'none'}")
 
     truncated: dict[str, dict[str, int]] = {}
     train: list[Document] = []
@@ -282,8 +365,9 @@ def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked) ->
             "by_kind": truncated,
         },
         "test_dropped": final.dropped,
-        "checks": {"test_questions_in_training": len(shared_questions), "retention_in_replay": len(shared_conversations)},
+        "checks": {"test_questions_in_training": len(shared_questions), **overlap},
         "conversations": pool.info,
+        "split": split,
     }
     return Built(files=files, manifest=manifest)
 

@@ -1,15 +1,23 @@
-"""From the schedule to padded microbatches, the same way in both arms.
+"""From the schedule to packed microbatches, the same way in both arms.
 
 The schedule fixes which documents form the global batch of update k. A
 worker's local batch is a contiguous slice of it (worker r takes
 global[r*L:(r+1)*L], L = global batch / workers), so the split is a pure
 function of (schedule, workers) and `assignment` records it. Within a local
 batch, documents are sorted by length, shortest first, and cut into
-microbatches of the arm's size; the last one may be partial. A microbatch is
-padded to its own longest document only.
+microbatches of the arm's size; the last one may be partial.
+
+A microbatch is *packed*: its documents are concatenated into one row (batch
+dimension 1) with no padding, so every computed token is a real token.
+`position_ids` restart at 0 for every document (rotary positions as if each
+were alone) and `bounds` says where each document starts and ends, so that
+attention never crosses a document (objective.WeightedNLL). The first token
+of every document weighs 0 in the row: position 0 is never a target (nothing
+precedes it), and in a packed row it would otherwise be predicted from the
+previous document's last token.
 
 Only the attributes `input_ids` and `weights` of a document are used, so any
-object that has them (coopstudy.data.Document, a test's stand-in) works.
+object that has them (coopstudy.inputs.data.Document, a test's stand-in) works.
 """
 
 from __future__ import annotations
@@ -36,22 +44,29 @@ class UpdatePlan:
     microbatches: list[list[int]]
     """The local batch sorted by length and cut; indices into the training documents."""
     total_weight: float
-    """W_k: the summed token weight of the whole global batch, the one denominator
+    """W_k: the summed target weight of the whole global batch, the one denominator
     of the update in every arm and on every worker."""
 
 
 @dataclass(frozen=True)
 class Microbatch:
-    """Tensors of one padded microbatch, on the device that computes it."""
+    """Tensors of one packed microbatch, on the device that computes it: its
+    documents back to back in one row of N = `tokens` positions, no padding."""
 
     input_ids: torch.Tensor
-    """[B, T] token ids; T is the longest document of this microbatch."""
-    attention_mask: torch.Tensor
-    """[B, T] 1 for real tokens, 0 for padding (padding is on the right)."""
+    """[1, N] the documents' tokens, one after the other."""
+    position_ids: torch.Tensor
+    """[1, N] each token's position within its own document: 0..n-1 per document."""
     weights: torch.Tensor
-    """[B, T] target weight of each token (0 for prompt tokens, padding and position 0)."""
+    """[1, N] target weight of each token; 0 at every document's first token."""
+    bounds: tuple[int, ...]
+    """Where the documents start, and N at the end: document j is [bounds[j], bounds[j+1])."""
     tokens: int
-    """Real (unpadded) tokens."""
+    """Real tokens; also the positions computed (N)."""
+
+    @property
+    def documents(self) -> int:
+        return len(self.bounds) - 1
 
 
 @dataclass(frozen=True)
@@ -82,23 +97,31 @@ def sort_and_cut(
 ) -> list[list[int]]:
     """Cut a local batch into microbatches of `microbatch` documents.
 
-    Shortest first: the partial last microbatch then holds the longest
-    documents, so the fewest rows are padded to the greatest length (longest
-    first would pad a full microbatch to the longest document and leave the
-    short remainder alone). Python's sort is stable, so documents of equal
+    Shortest first, as the protocol fixes (with padding it put the partial
+    last microbatch on the longest documents, so the fewest rows were padded
+    to the greatest length; packed microbatches compute the same tokens
+    whatever the order). Python's sort is stable, so documents of equal
     length keep schedule order and the cut is deterministic.
     """
     order = sorted(local, key=lambda i: lengths[i]) if sort else list(local)
     return [order[i : i + microbatch] for i in range(0, len(order), microbatch)]
 
 
-def total_weight(documents: Sequence[DocumentLike], global_batch: Sequence[int]) -> float:
-    """W_k = Σ w over every token of every document of the global batch.
+def target_weight(document: DocumentLike) -> float:
+    """Σ w over the document's targets: every token but the first, which
+    nothing predicts (the objective never reads weights[0])."""
+    return math.fsum(document.weights[1:])
 
-    math.fsum: the denominator must not depend on summation order, so that
-    every arm and every worker derives the identical float.
+
+def total_weight(documents: Sequence[DocumentLike], global_batch: Sequence[int]) -> float:
+    """W_k = Σ w over every target token of every document of the global batch.
+
+    Position 0 is not a target, so its weight (0 in every prepared document)
+    never counts, in the numerator or here. math.fsum: the denominator must
+    not depend on summation order, so that every arm and every worker derives
+    the identical float.
     """
-    return math.fsum(math.fsum(documents[i].weights) for i in global_batch)
+    return math.fsum(target_weight(documents[i]) for i in global_batch)
 
 
 def plan_update(
@@ -117,35 +140,42 @@ def plan_update(
     )
 
 
-def collate(
+def pack(
     documents: Sequence[DocumentLike],
     *,
     device: torch.device | str = "cpu",
     weight_dtype: torch.dtype = torch.float32,
-    pad_id: int = 0,
 ) -> Microbatch:
-    """Right-pad to the longest document of this microbatch.
+    """Concatenate the documents of one microbatch into one row, in the given order.
 
-    Padded positions get weight 0 and attention mask 0; with right padding and
-    a causal model no real token ever attends to them, so `pad_id` cannot
-    change any weighted term.
+    Order does not change any number that matters (attention never crosses a
+    document and the loss is a sum), so the order of `documents` is kept.
     """
-    width = max(len(d.input_ids) for d in documents)
-    ids = torch.full((len(documents), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(documents), width), dtype=torch.long)
-    weights = torch.zeros((len(documents), width), dtype=weight_dtype)
-    for row, doc in enumerate(documents):
+    if not documents:
+        raise ValueError("a microbatch needs at least one document")
+    ids: list[int] = []
+    positions: list[int] = []
+    weights: list[float] = []
+    bounds = [0]
+    for doc in documents:
         n = len(doc.input_ids)
+        if n == 0:
+            raise ValueError("an empty document cannot be packed")
         if len(doc.weights) != n:
             raise ValueError(f"document has {n} tokens but {len(doc.weights)} weights")
-        ids[row, :n] = torch.tensor(doc.input_ids, dtype=torch.long)
-        mask[row, :n] = 1
-        weights[row, :n] = torch.tensor(doc.weights, dtype=weight_dtype)
+        ids.extend(doc.input_ids)
+        positions.extend(range(n))
+        # Position 0 is never a target; in the row it would be predicted from
+        # the previous document's last token.
+        weights.append(0.0)
+        weights.extend(doc.weights[1:])
+        bounds.append(bounds[-1] + n)
     return Microbatch(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        weights=weights.to(device),
-        tokens=sum(len(d.input_ids) for d in documents),
+        input_ids=torch.tensor([ids], dtype=torch.long).to(device),
+        position_ids=torch.tensor([positions], dtype=torch.long).to(device),
+        weights=torch.tensor([weights], dtype=weight_dtype).to(device),
+        bounds=tuple(bounds),
+        tokens=bounds[-1],
     )
 
 
@@ -156,13 +186,19 @@ def padding_efficiency(
     microbatch: int,
     *,
     sort: bool = True,
+    packed: bool = True,
 ) -> PaddingEfficiency:
-    """Real tokens / computed tokens over a whole schedule for one arm's shape."""
+    """Real tokens / computed tokens over a whole schedule for one arm's shape.
+
+    packed=True is what training computes (1.0: a packed row has no padding);
+    packed=False is what right-padding each microbatch to its longest document
+    would compute, for comparison.
+    """
     real = computed = 0
     for row in schedule:
         for rank in range(world_size):
             for mb in sort_and_cut(local_slice(row, rank, world_size), lengths, microbatch, sort=sort):
                 sizes = [lengths[i] for i in mb]
                 real += sum(sizes)
-                computed += len(sizes) * max(sizes)
+                computed += sum(sizes) if packed else len(sizes) * max(sizes)
     return PaddingEfficiency(real, computed)

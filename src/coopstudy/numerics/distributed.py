@@ -20,6 +20,24 @@ scalar sums, and the parameter broadcast when DDP is built (setup). Not
 counted: barriers and DDP's one-off shape check at construction. Payload means
 the bytes of the tensor a worker hands to the collective, not wire traffic (a
 ring all-reduce moves about 2(n-1)/n times that per worker).
+
+Seconds: the counter also times the comm hook of each update, from the
+hook's call (DDP calls it inside the last backward, once the bucket's
+gradients are all computed: with one bucket, at the end of the backward) to
+the completion of the future it returns, by a last callback on that future.
+On gloo the collectives and PowerSGD's callbacks (compression, QR,
+decompression, error feedback) run on gloo's threads while the main thread
+waits for that future at the end of the backward, so this is the wall time
+the update spends on gradient communication, waits for the other worker
+included. On NCCL the future completes when the work is queued on the
+stream, so it is the host's share only.
+
+PowerSGD: `powersgd_hook` is torch's `powerSGD_hook` (torch 2.13) step for
+step, with one change: error feedback works in place in its kept error
+buffer, where torch copies the bucket into a new tensor and makes the new
+error as another (two 538 MB allocations per update for the 135M model, each
+paying for its pages again, and one more pass over the bucket). The numbers
+are the same bit for bit (tests/test_distributed.py trains with both).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook
@@ -27,6 +45,8 @@ ring all-reduce moves about 2(n-1)/n times that per worker).
 import contextlib
 import math
 import os
+import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,7 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coopstudy.config import Config
@@ -162,6 +183,8 @@ class UpdateBytes:
     scalar_bytes: int
     """The update's scalar reductions (loss, tokens)."""
     collectives: int
+    hook_seconds: float = 0.0
+    """Wall seconds of the update's gradient comm hook, its call to its future's completion."""
 
     @property
     def total(self) -> int:
@@ -198,6 +221,10 @@ class ByteCounter:
     _gradient: int = 0
     _scalar: int = 0
     _collectives: int = 0
+    _hook_seconds: float = 0.0
+
+    def add_hook_seconds(self, seconds: float) -> None:
+        self._hook_seconds += seconds
 
     def add_gradient(self, phase: str, nbytes: int, collectives: int) -> None:
         self._phase = phase
@@ -210,9 +237,9 @@ class ByteCounter:
 
     def end_update(self) -> UpdateBytes:
         """Close the current update's count and return it."""
-        done = UpdateBytes(len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives)
+        done = UpdateBytes(len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds)
         self.updates.append(done)
-        self._phase, self._gradient, self._scalar, self._collectives = None, 0, 0, 0
+        self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds = None, 0, 0, 0, 0.0
         return done
 
     def totals(self) -> ByteTotals:
@@ -249,22 +276,199 @@ def compression_plan(shapes: Iterable[Sequence[int]], rank: int, min_rate: float
     return plans
 
 
+def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py,
+    torch 2.13, `batch_tensors_with_same_shape` off as the study's state has
+    it), the same arithmetic in the same order, with error feedback kept in
+    place (see the module docstring).
+
+    Dense all-reduce while state.iter < start_powerSGD_iter. Then, per update,
+    with M the bucket's gradients and e the kept error: A = M + e; per matrix
+    P = AQ (Q warm-started from the previous update, orthogonalized); the
+    uncompressed tensors of A and all Ps all-reduced; P orthogonalized;
+    Q = AᵀP; all Qs all-reduced; the bucket becomes M' = PQᵀ (and the
+    all-reduced uncompressed tensors); e = A - M'.
+
+    torch computes A in the bucket, copies it (a new bucket-sized tensor) and
+    ends with e = copy - M' (another). Here A is computed into e itself
+    (e + M, the same sums as M + e), compression reads A from e, M' is written
+    into the bucket, and e - M' is subtracted in place: one pass over the
+    bucket and two bucket-sized allocations fewer per update, the same bits.
+    """
+    process_group = state.process_group
+    group_to_use = process_group if process_group is not None else dist.group.WORLD
+    world_size = group_to_use.size()
+    input_tensor = bucket.buffer()
+
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return default_hooks._allreduce_fut(group_to_use, input_tensor)
+
+    device, dtype = input_tensor.device, input_tensor.dtype
+    bucket_index = bucket.index()
+    tensors = bucket.gradients()
+    # Where each gradient lies in the bucket, to read the same tensor of A.
+    offsets = [(t.data_ptr() - input_tensor.data_ptr()) // t.element_size() for t in tensors]
+    if sum(t.numel() for t in tensors) != input_tensor.numel():
+        raise ValueError("powersgd_hook needs a bucket made of its gradients only")
+    if state.use_error_feedback:
+        error = state.error_dict.get(bucket_index)
+        if error is None:
+            # torch's first compressed update: e = 0 is created and not added, so A = M.
+            error = state.error_dict[bucket_index] = input_tensor.detach().clone()
+        else:
+            error.add_(input_tensor)
+        source = error
+    else:
+        source = input_tensor
+    sources = [source[o : o + t.numel()].view_as(t) for o, t in zip(offsets, tensors)]
+
+    tensors_to_compress, sources_to_compress, uncompressed_tensors, uncompressed_sources = [], [], [], []
+    total_Ps_size = 0
+    total_Qs_size = 0
+    for tensor, src in zip(tensors, sources):
+        matrix = tensor.view(tensor.shape[0], -1)
+        n, m = matrix.shape
+        matrix_approximation_rank = min(n, m, state.matrix_approximation_rank)
+        compress_test = torch_powersgd._should_compress(n, m, matrix_approximation_rank, state.min_compression_rate)
+        state.total_numel_before_compression += compress_test[1]
+        if compress_test[0]:
+            tensors_to_compress.append(matrix)
+            sources_to_compress.append(src.view(n, m))
+            total_Ps_size += n * matrix_approximation_rank
+            total_Qs_size += m * matrix_approximation_rank
+            state.total_numel_after_compression += compress_test[2]
+        else:
+            uncompressed_tensors.append(tensor)
+            uncompressed_sources.append(src)
+            state.total_numel_after_compression += compress_test[1]
+
+    torch_powersgd._report_compression_stats(bucket, state)
+
+    uncompressed_tensors_memory = (
+        torch.cat([src.view(-1) for src in uncompressed_sources])
+        if uncompressed_sources
+        else torch.tensor([], device=device, dtype=dtype)
+    )
+
+    need_randomize_qs = False
+    if not state.warm_start or bucket_index not in state.p_memory_dict:
+        need_randomize_qs = True
+        state.p_memory_dict[bucket_index] = torch.empty(total_Ps_size, device=device, dtype=dtype)
+        state.q_memory_dict[bucket_index] = torch.empty(total_Qs_size, device=device, dtype=dtype)
+
+    if state.batch_tensors_with_same_shape:
+        raise ValueError("powersgd_hook follows torch's hook with batch_tensors_with_same_shape=False only")
+    # torch's order: the matrices grouped by shape, in order of first appearance.
+    by_shape: dict[torch.Size, list[int]] = defaultdict(list)
+    for i, matrix in enumerate(tensors_to_compress):
+        by_shape[matrix.shape].append(i)
+    order = [i for group in by_shape.values() for i in group]
+    targets = [tensors_to_compress[i].unsqueeze(0) for i in order]
+    matrices = [sources_to_compress[i].unsqueeze(0) for i in order]
+
+    ps = []
+    qs = []
+    p_idx = 0
+    q_idx = 0
+    for tensor in matrices:
+        batch_size, n, m = tensor.shape
+        matrix_approximation_rank = min(n, m, state.matrix_approximation_rank)
+        ps.append(
+            state.p_memory_dict[bucket_index][p_idx : p_idx + batch_size * n * matrix_approximation_rank].view(
+                batch_size, n, matrix_approximation_rank
+            )
+        )
+        qs.append(
+            state.q_memory_dict[bucket_index][q_idx : q_idx + batch_size * m * matrix_approximation_rank].view(
+                batch_size, m, matrix_approximation_rank
+            )
+        )
+        p_idx += batch_size * n * matrix_approximation_rank
+        q_idx += batch_size * m * matrix_approximation_rank
+
+    if not need_randomize_qs:
+        for q in qs:
+            torch_powersgd._orthogonalize(q, state.orthogonalization_epsilon)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(state.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
+                torch_powersgd._orthogonalize(q, state.orthogonalization_epsilon)
+
+    for tensor, q, p in zip(matrices, qs, ps):
+        torch.bmm(tensor, q, out=p)
+
+    allreduce_contiguous_uncompressed_tensors_fut = dist.all_reduce(
+        uncompressed_tensors_memory, group=group_to_use, async_op=True
+    ).get_future()
+
+    def unpack_uncompressed_tensors_and_allreduce_ps(fut):
+        uncompressed_tensors_memory = fut.value()[0].div_(world_size)
+        idx = 0
+        for tensor in uncompressed_tensors:
+            tensor.copy_(uncompressed_tensors_memory[idx : idx + tensor.numel()].view_as(tensor))
+            idx += tensor.numel()
+        return dist.all_reduce(state.p_memory_dict[bucket_index], group=group_to_use, async_op=True).get_future().wait()[0]
+
+    def compute_qs(fut):
+        state.p_memory_dict[bucket_index] = fut.value()
+        for p in ps:
+            torch_powersgd._orthogonalize(p, state.orthogonalization_epsilon)
+        for tensor, p, q in zip(matrices, ps, qs):
+            torch.bmm(tensor.transpose(1, 2), p, out=q)
+        return dist.all_reduce(state.q_memory_dict[bucket_index], group=group_to_use, async_op=True).get_future().wait()[0]
+
+    def decompress(fut):
+        state.q_memory_dict[bucket_index] = fut.value().div_(world_size)
+        for p, q, tensor in zip(ps, qs, targets):
+            torch.bmm(p, q.transpose(1, 2), out=tensor)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+        if state.use_error_feedback:
+            # e = A - M', in place (torch: copy - M', a new tensor).
+            error.sub_(input_tensor)
+        if not state.warm_start:
+            state.p_memory_dict.clear()
+            state.q_memory_dict.clear()
+        state.maybe_increase_iter(bucket)
+        return input_tensor
+
+    return (
+        allreduce_contiguous_uncompressed_tensors_fut.then(unpack_uncompressed_tensors_and_allreduce_ps)
+        .then(compute_qs)
+        .then(decompress)
+    )
+
+
 def _counting_hook(counter: ByteCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Count the bucket's payload, then hand it to the real hook unchanged."""
+    """Count the bucket's payload, hand it to the real hook unchanged, and
+    time the hook to its future's completion."""
+    start = time.perf_counter()
     buffer = bucket.buffer()
     state = counter.powersgd
     if state is None:
         counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
-        return default_hooks.allreduce_hook(None, bucket)
-    # The same test powerSGD_hook makes before it decides (and before it
-    # increments state.iter): dense while iter < start_powerSGD_iter.
-    if state.iter < state.start_powerSGD_iter:
-        counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+        fut = default_hooks.allreduce_hook(None, bucket)
     else:
-        plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
-        # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
-        counter.add_gradient(COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
-    return powerSGD_hook(state, bucket)
+        # The same test powersgd_hook makes before it decides (and before it
+        # increments state.iter): dense while iter < start_powerSGD_iter.
+        if state.iter < state.start_powerSGD_iter:
+            counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+        else:
+            plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
+            # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
+            counter.add_gradient(COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
+        fut = powersgd_hook(state, bucket)
+
+    def timed(done: torch.futures.Future) -> torch.Tensor:
+        # Runs when the hook's work is complete (on gloo, on the thread that
+        # completed it), before DDP's wait at the end of the backward returns.
+        counter.add_hook_seconds(time.perf_counter() - start)
+        return done.value()
+
+    return fut.then(timed)
 
 
 # --- DDP ---------------------------------------------------------------------

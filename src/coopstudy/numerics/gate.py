@@ -1,17 +1,28 @@
 """The equivalence gate: the batched DDP update against the per-document reference.
 
-Two real gloo ranks run the training update (`update.run_update`: contiguous
-split, length-sorted padded microbatches, no_sync accumulation, global
-normalization, DDP dense all-reduce, AdamW); one process runs the
-per-document reference (`update.reference_update`) from the same initial
+Two real gloo ranks run the training update (`update.worker_update`:
+contiguous split, length-sorted packed microbatches with per-document
+positions and attention, no_sync accumulation, global normalization, DDP
+dense all-reduce through the timing comm hook, fused AdamW); one process runs
+the per-document reference (`update.reference_update`: each document alone,
+the LM's own attention, torch's per-tensor AdamW) from the same initial
 weights. After each of two updates, every parameter, both AdamW moments, the
 loss and the gradient norm must agree within TOLERANCE.
 
+Cases: unequal lengths; unequal weights concentrated on one rank; the
+reversed assignment of documents to ranks; prompt masks (and a microbatch
+with no target at all); a partial final microbatch; a clip that binds; a
+non-zero weight given to documents' first tokens (never a target: it must
+count neither in the loss nor in W_k, and in a packed row it sits right after
+the previous document's last token); adjacent one-token documents packed
+with longer ones; microbatches of one document each.
+
 Choices, and why:
-- float64 (precision=fp64): summation-order differences between padded
-  batches and single documents are then ~1e-15, so a tolerance of 1e-9
+- float64 (precision=fp64): summation-order differences between packed
+  rows and single documents are then ~1e-15, so a tolerance of 1e-9
   separates rounding from any real error (a wrong denominator, a lost worker
-  factor, a padded token that counts) by many orders of magnitude.
+  factor, attention across documents, a first token that counts) by many
+  orders of magnitude.
 - relative error of a tensor = max|a - b| / max|b| (per tensor, not per
   element: elements near zero would turn rounding into large ratios).
 - a fixed small Llama (GATE_MODEL: 2 layers, width 32, grouped-query attention
@@ -131,6 +142,29 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
     # Local batches of 5 in microbatches of 2: 2 + 2 + a partial 1.
     partial = tuple(task(rng.randrange(1, 40), rng.randrange(1, 6)) for _ in range(20))
 
+    def given(first: float, *segments: tuple[int, float]) -> GateDoc:
+        # As doc(), but the first token keeps the weight it is given.
+        weights = [first] + [w for n, w in segments for _ in range(n)]
+        return GateDoc(tuple(rng.randrange(1, vocab) for _ in weights), tuple(weights))
+
+    # Every document's first token weighs something; in microbatches of 3 the
+    # first token of each packed document follows another document's last.
+    first_weights = tuple(
+        given(w, (p, 0.0), (a, aw))
+        for w, p, a, aw in [(5.0, 6, 3, 8.0), (8.0, 20, 4, 8.0), (1.0, 3, 2, 1.0), (8.0, 11, 6, 8.0), (5.0, 2, 1, 8.0),
+                            (1.0, 30, 2, 1.0), (8.0, 9, 9, 8.0), (2.0, 4, 3, 1.0), (8.0, 15, 2, 8.0), (1.0, 5, 5, 1.0),
+                            (5.0, 25, 3, 8.0), (8.0, 7, 1, 1.0)]
+    )  # fmt: skip
+    # One-token documents (no target; some with a first weight) side by side,
+    # packed between longer ones: sorted, each rank's local batch of 6 is one
+    # row starting with its one-token documents.
+    one_token = tuple(
+        [given(8.0), doc((1, 0)), given(1.0), task(5, 3), doc((1, 0)), task(12, 4)]
+        + [given(5.0), given(8.0), task(3, 2), doc((1, 0)), doc((1, 0)), task(20, 6)]
+    )  # fmt: skip
+    # Microbatches of one document: the packed row is the document alone.
+    single = tuple(task(p, a) for p, a in [(9, 3), (30, 5), (2, 1), (14, 2), (40, 8), (5, 4), (22, 6), (1, 1)])
+
     return [
         Case("unequal-lengths", unequal, two_batches_of_8, 2, grad_clip),
         Case("weights-on-one-rank", concentrated, heavy_first, 2, grad_clip),
@@ -139,6 +173,9 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
         Case("partial-final-microbatch", partial, (tuple(range(10)), tuple(range(10, 20))), 2, grad_clip),
         # A clip that binds: the clipping path of both sides, whatever the preset says.
         Case("clipped-gradient", unequal, two_batches_of_8, 3, 0.05),
+        Case("nonzero-first-weight", first_weights, (tuple(range(12)), tuple(range(12))[::-1]), 3, grad_clip),
+        Case("adjacent-one-token-documents", one_token, (tuple(range(12)), tuple(range(6, 12)) + tuple(range(6))), 6, grad_clip),
+        Case("one-document-microbatch", single, (tuple(range(8)), tuple(range(8))[::-1]), 1, grad_clip),
     ]
 
 
@@ -190,7 +227,7 @@ def _batched_side(case: Case, cfg: Config, ctx: distributed.DistContext) -> list
 
 def _reference_side(case: Case, cfg: Config) -> list[dict[str, Any]]:
     lm = gate_model(cfg.model.init_seed)
-    optimizer = update.build_optimizer(lm.parameters(), cfg.train)
+    optimizer = update.build_optimizer(lm.parameters(), cfg.train, implementation=update.PER_TENSOR)
     scheduler = update.build_scheduler(optimizer, cfg.train.warmup_updates)
     snapshots = []
     for row in case.schedule:

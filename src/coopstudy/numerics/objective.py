@@ -4,23 +4,31 @@ The loss of update k is
 
     L_k = Σ w·nll / W_k
 
-summed over every token of every document of the update's global batch, where
-w is the token's target weight (answer tokens 8, replay assistant tokens 1,
-prompt tokens and padding 0), nll the negative log-likelihood of the token
-given the tokens before it, and W_k the total weight of the whole global batch
-(`batching.total_weight`). Every microbatch on every worker divides its own
-weighted sum by the same W_k, so the gradients of microbatches and of workers
-add up to the gradient of L_k, whatever the microbatching or the number of
-workers.
+summed over every target token of every document of the update's global
+batch, where w is the token's target weight (answer tokens 8, replay
+assistant tokens 1, prompt tokens 0), nll the negative log-likelihood of the
+token given the tokens of its document before it, and W_k the total target
+weight of the whole global batch (`batching.total_weight`). Every microbatch
+on every worker divides its own weighted sum by the same W_k, so the
+gradients of microbatches and of workers add up to the gradient of L_k,
+whatever the microbatching or the number of workers.
+
+The training forward (`WeightedNLL`) reads a packed microbatch: one row of
+documents back to back (batching.pack). Two things make each document see
+only itself, as if it were alone: position ids restart at 0 per document
+(rotary embeddings), and attention runs per document (`document_attention`,
+the attention function the forward selects for its own call only). Every
+computed token is a real token.
 
 `reference_backward` is the same objective written plainly (each document
-alone, full logits, one process); it exists for the gate and the benchmark.
+alone, the LM's own attention and full logits, one process); it exists for
+the gate and the benchmark.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ContextManager
 
@@ -29,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from coopstudy.numerics.batching import DocumentLike, Microbatch
+
+DOCUMENT_ATTENTION = "coopstudy_document_sdpa"
+"""The name `document_attention` is registered under in transformers' AttentionInterface."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,73 @@ class Precision:
         return contextlib.nullcontext()
 
 
+def document_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    document_bounds: Sequence[int] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each document of a packed row, never across.
+
+    A transformers attention function: query [1, heads, N, d], key and value
+    [1, kv heads, N, d]; returns [1, N, heads, d]. Each document
+    [bounds[j], bounds[j+1]) is one scaled_dot_product_attention call, causal,
+    exactly the call the per-document reference makes (transformers' sdpa
+    path on an unpadded single sequence: no mask, is_causal for more than
+    one token, grouped-query heads by enable_gqa). The cost is Σ n² per
+    layer, not N² as a block-diagonal mask over the whole row would be.
+    """
+    if document_bounds is None:
+        raise ValueError("document_attention needs the packed row's document_bounds")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed microbatch is one row, not {query.shape[0]}")
+    gqa = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+    parts = []
+    for start, end in zip(document_bounds[:-1], document_bounds[1:]):
+        parts.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=end - start > 1,
+                **gqa,
+            )
+        )
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
+
+
+_register()
+
+
+@contextlib.contextmanager
+def _attention(lm: nn.Module, implementation: str) -> Iterator[None]:
+    """The LM's attention implementation for one call, then its own again
+    (the LM stays an ordinary model everywhere else: evaluation, saving)."""
+    config = lm.config
+    previous = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
 class WeightedNLL(nn.Module):
-    """A causal LM whose forward returns Σ w·nll of one padded microbatch.
+    """A causal LM whose forward returns Σ w·nll of one packed microbatch.
 
     DDP wraps this module rather than the LM: DDP's gradient hooks are armed by
     its own forward, and this forward has to reach inside the LM to skip
@@ -76,11 +152,21 @@ class WeightedNLL(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, weights: torch.Tensor, bounds: Sequence[int]
+    ) -> torch.Tensor:
+        # No attention mask: document_attention gets the documents' bounds
+        # instead, and an attention function transformers has no mask
+        # function for gets no mask built. No cache (config.use_cache is True;
+        # a cache would change the path).
+        with _attention(self.lm, DOCUMENT_ATTENTION):
+            hidden = self.lm.get_decoder()(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, document_bounds=tuple(bounds)
+            ).last_hidden_state
         # Token i is predicted from position i-1. Positions whose target weighs 0
-        # (prompt, padding, position 0) add exactly 0 to the sum, so their
-        # logits, the largest matmul of a small model, are never computed.
+        # (prompt tokens, every document's first token) add exactly 0 to the
+        # sum, so their logits, the largest matmul of a small model, are never
+        # computed; nor is any prediction across a document boundary.
         targets = weights[:, 1:] > 0
         logits = self.lm.get_output_embeddings()(hidden[:, :-1][targets])
         # Under bf16 autocast the logits come out in bf16; the softmax and the
@@ -94,7 +180,7 @@ def microbatch_loss(net: nn.Module, mb: Microbatch, total_weight: float, world_s
 
     `net` is a WeightedNLL, or DDP around one.
     """
-    weighted_sum = net(mb.input_ids, mb.attention_mask, mb.weights)
+    weighted_sum = net(mb.input_ids, mb.position_ids, mb.weights, mb.bounds)
     # Global normalization: W_k belongs to the whole global batch, not to this
     # microbatch or this worker, so the shares of all microbatches of all
     # workers sum to L_k and so do their gradients.

@@ -40,6 +40,12 @@ TAG_PREFLIGHT = "coopstudy.preflight"
 """On the experiment, not a run: `<host> <UTC time>` of the last preflight against a tracking server
 (once per stage process on an http(s) URI, and `python -m coopstudy remote check`)."""
 
+TAG_RECORD_URI = "coopstudy.record_uri"
+"""On a pointer run (the run `mlflow run` made, when the study records in another store or
+experiment): the tracking URI of the store that holds the step's real run."""
+TAG_RECORD_RUN = "coopstudy.record_run_id"
+"""On a pointer run: the id of the step's real run, in the store TAG_RECORD_URI names."""
+
 # --- stages ----------------------------------------------------------------
 STAGE_PREPARE = "prepare"
 """The prepare run: seed model resolved, inputs generated, hashed and committed."""
@@ -188,6 +194,30 @@ TAG_BENCH_DOCUMENTS = "coopstudy.bench_documents"
 ART_BENCH_TABLE = "bench_objective.json"
 """On the bench run: the printed table, one row per quantity (MLflow table)."""
 
+# --- bench arms (python -m coopstudy bench arms) -----------------------------
+M_BENCH_ARMS_PREFIX = "bench/arms/"
+"""+ phase (dense|compressed) + / + arm + / + part, on the bench-arms-<preset> parent run: the median over
+that phase's updates of rank 0's seconds per update; part is update, forward_backward, comm, optimizer,
+other or record (the train/ metrics of the arm's child run)."""
+M_BENCH_ARMS_RATIO_PREFIX = "bench/arms_ratio/"
+"""+ phase, on the bench-arms parent run: control median update seconds / compressed median update seconds."""
+M_BENCH_ARMS_IDEAL_PREFIX = "bench/arms_ideal_ratio/"
+"""+ phase, on the bench-arms parent run: the compute-only ratio, control median update seconds / the
+compressed arm's median of (slowest rank's forward_backward + rank 0's optimizer and other seconds):
+the ratio with free gradient communication and recording."""
+M_BENCH_MATMUL_PEAK_PREFIX = "bench/matmul_peak_gflops/"
+"""+ dtype (bf16|fp32), on the bench-arms parent run: the best single-thread matmul GFLOP/s measured in the
+run (on CUDA: the device's), before the arms ran (after them: + `/after`)."""
+M_BENCH_ACHIEVED_PREFIX = "bench/achieved_gflops/"
+"""+ arm, on the bench-arms parent run: training GFLOP/s per device over all timed updates (6 x matmul
+parameters x tokens, the output layer at target tokens only, plus causal attention within documents)."""
+M_BENCH_TOKENS_PER_S_PREFIX = "bench/tokens_per_second/"
+"""+ arm, on the bench-arms parent run: real tokens trained per second over all timed updates (the arm's, all devices)."""
+M_BENCH_PEAK_FRACTION_PREFIX = "bench/peak_fraction/"
+"""+ arm, on the bench-arms parent run: achieved GFLOP/s per device / the matmul peak of train.precision."""
+ART_BENCH_ARMS_TABLE = "bench_arms.json"
+"""On the bench-arms parent run: the printed tables, one row per quantity (MLflow table)."""
+
 # --- train: per update (step = update number, from 1) -----------------------
 M_LOSS = "train/loss"
 """On train arm and probe candidate runs: the update's global weighted loss
@@ -204,6 +234,24 @@ M_TOKENS = "train/tokens"
 M_BYTES = "train/bytes"
 """On train arm and probe candidate runs: rank 0's collective payload in the update
 (gradient + scalar sums), bytes; 0 in the control."""
+# --- train: time breakdown per update ---
+M_FORWARD_BACKWARD_SECONDS = "train/forward_backward_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds in the forwards and
+backwards of its microbatches, less the gradient communication."""
+M_COMM_SECONDS = "train/comm_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds in the gradient comm
+hook (dense all-reduce, or PowerSGD: compression, all-reduces, decompression, error feedback), from its
+call to its future's completion, waits for the other rank included; 0 in the control."""
+M_OPTIMIZER_SECONDS = "train/optimizer_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds zeroing gradients,
+taking their norm, clipping, and the AdamW and schedule steps."""
+M_OTHER_SECONDS = "train/other_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: rank 0's remaining update seconds
+(packing the microbatches, reading the loss, the loss and token sums across ranks)."""
+M_RECORD_SECONDS = "train/record_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds writing the record
+inside the training window just before the update started (per-update metrics wait in memory and are
+written at most once a minute, and after the last update, outside the window); 0 for most updates."""
 # --- train: per run ---------------------------------------------------------
 M_ACTIVE_SECONDS = "time/active_seconds"
 """On train arm and probe candidate runs: rank 0's seconds from the first update's start to the last update's end."""
@@ -281,6 +329,8 @@ ART_REPORT_MD = "report.md"
 """On the report run: the report as Markdown."""
 ART_REPORT_HTML = "report.html"
 """On the report run: the report as HTML, with plots."""
+ART_FIGURES = "figures"
+"""On the report run: a folder of the report's figures as PNG images (the same as in report.html)."""
 TAG_VERDICT_PREFIX = "coopstudy.verdict."
 """+ quality, speed or a screen's name, on the report run: pass or fail."""
 M_SCREEN_PREFIX = "screen/"

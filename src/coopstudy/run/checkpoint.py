@@ -5,10 +5,20 @@ sha256 of model.safetensors, and calls `verify` before returning: the file is
 hashed again and every stored tensor is compared, bit for bit, with the
 weights still in memory. A run is called finished only after that; any
 difference raises `CheckpointMismatch`, which fails the run.
+
+Nothing half-written ever sits at the checkpoint's name: the files are
+written into a temporary folder beside it, verified there, flushed to disk,
+and only then renamed into place. A full disk (or any other write error)
+raises `CheckpointWriteFailed`, one line, and leaves nothing behind; an
+interrupt does the same. An existing checkpoint is never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,10 +29,15 @@ import torch
 from torch import nn
 
 from coopstudy import workspace
+from coopstudy.errors import UserError
 
 
 class CheckpointMismatch(Exception):
     """What is on disk is not what was trained."""
+
+
+class CheckpointWriteFailed(UserError):
+    """The checkpoint could not be written (a full disk, a lost mount); nothing of it was kept."""
 
 
 @dataclass(frozen=True)
@@ -35,20 +50,62 @@ class Saved:
 
 
 def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
-    """Write `model` (a plain Hugging Face model, not DDP) and `tokenizer`, then verify."""
+    """Write `model` (a plain Hugging Face model, not DDP) and `tokenizer`,
+    verify them, then put them at `folder` (which may exist, empty)."""
     start = time.perf_counter()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    # One file, whatever the model size (transformers shards only above
-    # max_shard_size): the study's record names one weights hash per model.
-    model.save_pretrained(folder, max_shard_size="1000GB")
-    tokenizer.save_pretrained(folder)
-    path = folder / workspace.WEIGHTS_FILE
-    if not path.is_file():
-        raise CheckpointMismatch(f"{folder}: save_pretrained wrote no {workspace.WEIGHTS_FILE}")
-    digest = workspace.sha256_file(path)
-    verify(folder, model.state_dict(), digest)
+    if folder.is_dir() and any(folder.iterdir()):
+        raise CheckpointWriteFailed(f"{folder} already holds files; a checkpoint is never written over another")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        # One file, whatever the model size (transformers shards only above
+        # max_shard_size): the study's record names one weights hash per model.
+        model.save_pretrained(tmp, max_shard_size="1000GB")
+        tokenizer.save_pretrained(tmp)
+        path = tmp / workspace.WEIGHTS_FILE
+        if not path.is_file():
+            raise CheckpointMismatch(f"{folder}: save_pretrained wrote no {workspace.WEIGHTS_FILE}")
+        _flush(tmp)
+        digest = workspace.sha256_file(path)
+        verify(tmp, model.state_dict(), digest)
+        os.replace(tmp, folder)
+        _fsync(folder.parent)
+    except OSError as err:
+        _discard(tmp, folder)
+        what = errno.errorcode.get(err.errno or 0, type(err).__name__)
+        raise CheckpointWriteFailed(
+            f"cannot write the checkpoint {folder}: {err.strerror or err} ({what}); nothing of it was kept"
+        ) from err
+    except BaseException:
+        _discard(tmp, folder)
+        raise
     return Saved(folder=folder, sha256=digest, seconds=time.perf_counter() - start)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _flush(folder: Path) -> None:
+    """Every file of `folder` on disk, before its name says it is complete."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(folder)
+
+
+def _discard(tmp: Path, folder: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    # The caller's empty folder goes too: nothing at the checkpoint's name.
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def verify(folder: str | Path, expected: Mapping[str, torch.Tensor], sha256: str) -> None:

@@ -5,10 +5,21 @@ arm is the same command started by the DeepSpeed launcher, which only starts
 ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): one host with
 `--num_gpus`, or two hosts from an MPI-style hostfile (one slot per host).
 
+Two hosts without ssh: each host starts its own node of the job
+(`nodes`, `node_rank`, `master_addr`, `master_port`): the launcher with
+`--no_ssh --node_rank K` and a hostfile of both nodes, whose ranks meet at
+node 0's address (see coopstudy.steps.train).
+
 Complete-process seconds run from the start of the first process (the
 launcher, for the compressed arm) to the exit of the last (the launcher
 exits after its ranks), so launcher start-up, imports, model loading and the
 checkpoint all count, as the protocol's second speed screen requires.
+
+How a launch ends: the launched processes run in their own process group
+(recorded in the device lock, so a job that finds its predecessor dead can
+stop what it left running). A SIGINT (Ctrl-C), SIGTERM or SIGHUP of the
+stage stops every process it launched, asking first and killing after
+STOP_GRACE_S, and ends the stage's run KILLED with the reason.
 """
 
 from __future__ import annotations
@@ -21,11 +32,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -64,12 +77,12 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def local_devices(workers: int, *, hostfile: Path | None = None) -> list[str]:
+def local_devices(workers: int, *, hostfile: Path | None = None, nodes: int | None = None) -> list[str]:
     """The devices of this host that an arm of `workers` ranks occupies (what
     the device lock holds): on CPU, the host's cores as one 'cpu'."""
     if not cuda_available():
         return ["cpu"]
-    local = 1 if hostfile is not None else workers
+    local = workers // nodes if nodes else 1 if hostfile is not None else workers
     return [f"cuda{d}" for d in _visible_gpus()[:local]]
 
 
@@ -80,6 +93,11 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     # One device is `threads_per_device` cores on CPU: OpenMP and MKL pools
     # are sized before torch can be told, so the environment says it first.
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    # Large tensors (bucket-sized buffers, logits, temporaries) come from fresh
+    # mmaps that fault in 4 KiB at a time; this asks glibc for transparent huge
+    # pages on them (THP "madvise"): a fresh 538 MB copy then costs about a
+    # quarter of its time (coopstudy.numerics.distributed, issue 14).
+    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     env[writer.ENV_RUN_ID] = run_id
     if not cuda_available():
         # Tells DeepSpeed (the launcher, and transformers' checks for it) what
@@ -121,7 +139,14 @@ def command(
     checkpoint: bool = True,
     probe: bool = False,
     capacity_mb: int | None = None,
+    nodes: int | None = None,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> list[str]:
+    """The arm's command line. With `nodes` (and a hostfile naming them, the
+    master's address and port): node `node_rank` of a job started by hand
+    on each host, without ssh."""
     workers = getattr(cfg.arms, arm).workers
     # Everything a rank needs travels as arguments: DeepSpeed forwards only
     # some environment variables to a second host.
@@ -137,6 +162,15 @@ def command(
     if workers == 1:
         return [sys.executable, "-m", "coopstudy", "worker", *worker_args]
     # --no_local_rank: LOCAL_RANK is in every rank's environment; the argument would come before the command.
+    if nodes is not None:
+        if hostfile is None or master_addr is None or master_port is None:
+            raise UserError("one node of a multi-node job needs a hostfile, the master's address and its port")
+        launcher = [
+            _deepspeed(), "--no_ssh", "--node_rank", str(node_rank), "--master_addr", master_addr,
+            "--master_port", str(master_port), "--hostfile", str(hostfile), "--num_nodes", str(nodes),
+            "--num_gpus", str(workers // nodes), "--log_level", "warning", "--no_local_rank",
+        ]  # fmt: skip
+        return [*launcher, "--module", "coopstudy", "worker", *worker_args]
     launcher = [_deepspeed(), "--master_port", str(workspace.free_port()), "--log_level", "warning", "--no_local_rank"]
     if hostfile is not None:
         # One rank per host, as many hosts as workers, from the hostfile
@@ -170,21 +204,58 @@ def exit_reason(code: int, launcher: bool) -> str:
 
 
 class Terminated(KeyboardInterrupt):
-    """The stage process was asked to stop (SIGTERM): handled as an interrupt,
-    so the run ends KILLED rather than FAILED."""
+    """The stage process was asked to stop (SIGTERM, SIGHUP): handled as an
+    interrupt, so the run ends KILLED rather than FAILED."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated("train was stopped by SIGTERM; its processes were stopped too")
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) while the stage's processes ran; they were stopped."""
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    name = _signal_name(signum) or f"signal {signum}"
+    raise Terminated(f"stopped by {name}; every process it launched was stopped too")
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[None]:
+    """While inside: a SIGTERM or SIGHUP of this process raises Terminated
+    (a KeyboardInterrupt), so whatever is open ends as after Ctrl-C: launched
+    processes stopped, locks released, the run KILLED with the reason."""
+    if threading.current_thread() is not threading.main_thread():
+        # Signals reach the main thread only; there the handlers are set.
+        yield
+        return
+    previous = {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The launched process, its descendants and the rest of its process group."""
+    found: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(proc.pid)
+        found[root.pid] = root
+        for p in root.children(recursive=True):
+            found[p.pid] = p
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if p.pid not in found and p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid:
+                found[p.pid] = p
+    return list(found.values())
 
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop the process and everything it started (the DeepSpeed runner does
     not pass a SIGTERM on to its ranks on one host): ask, then insist."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
+    tree = _tree(proc)
     for p in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -192,28 +263,50 @@ def _stop(proc: subprocess.Popen) -> None:
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
     proc.wait()
 
 
-def run(cmd: list[str], env: Mapping[str, str], workers: int) -> Exit:
-    """Start `cmd`, wait for it, and time it from the outside."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None) -> Exit:
+    """Start `cmd`, wait for it, and time it from the outside. `held` (a
+    run.lock.Held) records the launch's process group while it runs."""
+    with stopping():
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root())
+        # Its own process group: a terminal's Ctrl-C reaches the stage only,
+        # which stops the processes in order; and the group outlives the stage
+        # should the stage be killed, for the next job to find.
+        proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
         try:
+            if held is not None:
+                held.note(process_group=proc.pid)
             returncode = proc.wait()
-        except BaseException:
+        except BaseException as err:
             # Interrupted or stopped ourselves: no rank may outlive the stage.
             _stop(proc)
+            if type(err) is KeyboardInterrupt:
+                raise Interrupted("interrupted (SIGINT); every process it launched was stopped") from None
             raise
+        finally:
+            if held is not None and proc.poll() is not None:
+                held.note()
         return Exit(returncode=returncode, complete_seconds=time.perf_counter() - start, workers=workers)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
-def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None) -> list[str]:
+def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nodes: int | None = None) -> list[str]:
     found: set[str] = set()
     for arm in arms:
-        found.update(local_devices(getattr(cfg.arms, arm).workers, hostfile=hostfile if arm == "compressed" else None))
+        multi = arm == "compressed"
+        found.update(local_devices(getattr(cfg.arms, arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
     return sorted(found)
+
+
+def node_hostfile(nodes: int, per_node: int) -> Path:
+    """A hostfile naming `nodes` nodes (node0, node1, ...) of `per_node` slots:
+    without ssh the launcher reads only how many nodes and slots there are."""
+    path = workspace.subdir("launch") / f"nodes-{nodes}x{per_node}"
+    text = "".join(f"node{n} slots={per_node}\n" for n in range(nodes))
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path

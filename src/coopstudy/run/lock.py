@@ -5,6 +5,15 @@ jobs on one device: a second job sharing a device would slow both and spoil
 every timing. `device_lock(devices, holder)` takes one lock file per device
 under <home>/locks/ (fcntl.flock, so a crashed job's locks vanish with its
 process) and refuses, naming the holder's pid, when any is taken.
+
+The holder writes itself into the file (pid, what it is, since when) and
+adds, as it goes, the runs it writes and the process group of the
+processes it launched (`Held.note`); a clean release empties the file. A
+file that is free but not empty was left by a holder that died without
+releasing it (SIGKILL, the out-of-memory killer, a lost host): the next job
+says so, stops what the dead job launched if it still runs (its processes
+were in their own process group, which the file names), ends the dead job's
+runs that are still RUNNING as KILLED with the reason, and proceeds.
 """
 
 from __future__ import annotations
@@ -13,28 +22,168 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import IO
+from typing import IO, Any
 
 from coopstudy import workspace
 from coopstudy.errors import RefusedError
 
+STALE_STOP_GRACE_S = 10.0
+"""How long a dead job's leftover processes get to stop after SIGTERM before SIGKILL."""
 
-def _holder_of(fh: IO[str]) -> str:
+
+def _info(fh: IO[str]) -> dict[str, Any] | None:
     fh.seek(0)
+    text = fh.read()
+    if not text.strip():
+        return None
     try:
-        info = json.loads(fh.read())
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))
-        return f"pid {info['pid']} ({info['holder']}, since {since})"
-    except (ValueError, KeyError, TypeError):
+        info = json.loads(text)
+        return info if isinstance(info, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _describe(info: dict[str, Any] | None) -> str:
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))  # type: ignore[index]
+        return f"pid {info['pid']} ({info['holder']}, since {since})"  # type: ignore[index]
+    except (KeyError, TypeError, ValueError, OverflowError):
         # The holder took the lock a moment ago and has not written itself yet.
         return "a process that is starting"
 
 
+def _holder_of(fh: IO[str]) -> str:
+    return _describe(_info(fh))
+
+
+class Held:
+    """The devices one job holds; what it adds to the lock files stays there
+    until it releases them, for whoever finds them after a crash."""
+
+    def __init__(self, files: list[IO[str]], info: dict[str, Any]):
+        self._files = files
+        self.info = info
+
+    def note(self, *, run_id: str | None = None, process_group: int | None = None) -> None:
+        """Add a run this job writes, or the process group of what it launched
+        (None: that launch ended)."""
+        if run_id is not None and run_id not in self.info["runs"]:
+            self.info["runs"].append(run_id)
+        if process_group is not None:
+            try:
+                started = _create_time(process_group)
+            except Exception:  # noqa: BLE001 - it has exited already
+                started = None
+            self.info["group"] = {"pgid": process_group, "started": started}
+        elif run_id is None:
+            self.info.pop("group", None)
+        self._write()
+
+    def _write(self) -> None:
+        text = json.dumps(self.info)
+        for fh in self._files:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(text)
+            fh.flush()
+
+
+def _create_time(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).create_time()
+
+
+def _group_members(group: dict[str, Any]) -> list[Any]:
+    """The live processes of the dead job's launch: its process group, when
+    the group leader is the process it launched (not a reused pid) or gone."""
+    import psutil
+
+    pgid = group.get("pgid")
+    if not isinstance(pgid, int) or pgid <= 1:
+        return []
+    try:
+        leader = psutil.Process(pgid)
+        if group.get("started") is not None and abs(leader.create_time() - group["started"]) > 1.0:
+            return []  # the pid was reused by an unrelated process
+    except psutil.NoSuchProcess:
+        pass
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if os.getpgid(proc.pid) == pgid and proc.pid != os.getpid():
+                members.append(proc)
+    return members
+
+
+def _stop_leftovers(group: dict[str, Any]) -> list[int]:
+    """Stop what the dead job launched; the pids that were still running."""
+    import psutil
+
+    members = _group_members(group)
+    if not members:
+        return []
+    for p in members:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(members, timeout=STALE_STOP_GRACE_S)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=STALE_STOP_GRACE_S)
+    return sorted(p.pid for p in members)
+
+
+def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
+    """End the dead job's runs that are still RUNNING: KILLED, with the reason."""
+    from coopstudy.record import schema, store
+
+    ended = []
+    try:
+        client = store.client()
+        for run_id in info.get("runs", []):
+            try:
+                run = client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - not in this record
+                continue
+            if run.info.status != "RUNNING":
+                continue
+            client.set_tag(run_id, schema.TAG_ERROR, reason[:4000])
+            client.set_tag(run_id, schema.TAG_ERROR_KIND, "StaleLock")
+            client.set_terminated(run_id, "KILLED")
+            ended.append(run_id)
+    except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices
+        print(f"coopstudy: could not end the dead job's runs {', '.join(info.get('runs', []))}: {err}", file=sys.stderr, flush=True)
+    return ended
+
+
+def _recover(device: str, host: str, info: dict[str, Any], holder: str) -> None:
+    """The lock was free but not empty: its holder died holding it."""
+    import psutil
+
+    who = _describe(info)
+    pid = info.get("pid")
+    gone = "is gone" if not (isinstance(pid, int) and psutil.pid_exists(pid)) else "no longer holds it"
+    stopped = _stop_leftovers(info["group"]) if isinstance(info.get("group"), dict) else []
+    reason = f"the training job {who} died without releasing device {device} on {host} (killed?); found by {holder} (pid {os.getpid()})"
+    if stopped:
+        reason += f", which stopped its leftover processes {', '.join(map(str, stopped))}"
+    ended = _end_dead_runs(info, reason)
+    parts = [f"device {device} on {host}: the lock of {who} is stale, its process {gone}"]
+    if stopped:
+        parts.append(f"stopped its leftover processes {', '.join(map(str, stopped))}")
+    if ended:
+        parts.append(f"ended its run{'s' if len(ended) > 1 else ''} {', '.join(ended)} as KILLED")
+    print(f"coopstudy: {'; '.join(parts)}; taking the device", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
-def device_lock(devices: Sequence[str], holder: str) -> Iterator[None]:
+def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
     """Hold every device in `devices` (e.g. ["cpu"], ["cuda0", "cuda1"]) on this host.
 
     Locks are taken in sorted order, so two jobs asking for overlapping
@@ -43,6 +192,8 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[None]:
     folder = workspace.subdir("locks")
     host = socket.gethostname()
     held: list[IO[str]] = []
+    info: dict[str, Any] = {"pid": os.getpid(), "holder": holder, "since": time.time(), "runs": []}
+    recovered: list[dict[str, Any]] = []
     try:
         for device in sorted(set(devices)):
             fh = open(folder / f"{host}-{device}.lock", "a+")
@@ -55,12 +206,18 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[None]:
                     f"device {device} on {host} is in use by training job {who}; "
                     "wait for it to finish (jobs never share a device)"
                 ) from None
+            left = _info(fh)
+            held.append(fh)
+            if left is not None and left.get("pid") != os.getpid():
+                # One dead job held every device it asked for: recover it once.
+                if not any(left == r for r in recovered):
+                    _recover(device, host, left, holder)
+                    recovered.append(left)
             fh.seek(0)
             fh.truncate()
-            fh.write(json.dumps({"pid": os.getpid(), "holder": holder, "since": time.time()}))
+            fh.write(json.dumps(info))
             fh.flush()
-            held.append(fh)
-        yield
+        yield Held(held, info)
     finally:
         for fh in held:
             fh.truncate(0)

@@ -6,9 +6,18 @@ plain process, the compressed arm as ranks the DeepSpeed launcher starts
 `distributed.init` finds in the environment (one process, or RANK and
 WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
 
-Rank 0 writes the record: one batched metrics call per update, then the
-run's summary (active and checkpoint seconds, peak memory of every rank,
-transmitted bytes by phase) and the verified checkpoint. The stage that
+Rank 0 writes the record: per update, the loss, gradient norm, learning
+rate, tokens, bytes and where the update's seconds went (forward and
+backward, gradient communication, optimizer step, the rest, and recording:
+update.UpdateTimes); then the run's summary (active and checkpoint seconds,
+peak memory and the time breakdown of every rank, transmitted bytes by
+phase) and the verified checkpoint. The per-update metrics wait in memory
+and are written at most once every RECORD_EVERY_S seconds, and after the last
+update outside the training window, so that a record call (tens of
+milliseconds against a local SQLite store, more against a server) is not
+paid, by both ranks, inside every update; what a write inside the window
+cost is itself recorded (schema.M_RECORD_SECONDS), and what waits is written
+before the process ends, on failure too. The stage that
 launched the processes adds what only it can measure (complete seconds,
 device-seconds, cost) and ends the run.
 
@@ -20,6 +29,7 @@ reports its update seconds and memory, whatever the outcome (coopstudy.run.capac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -38,6 +48,39 @@ from coopstudy.numerics import batching, distributed, objective, update
 from coopstudy.record import schema, writer
 from coopstudy.run import capacity, checkpoint, launch
 
+RECORD_EVERY_S = 60.0
+"""Per-update metrics wait at most this long before they are written inside the training window."""
+
+
+class _Pending:
+    """Rank 0's per-update metrics, buffered; see the module docstring."""
+
+    def __init__(self, rec: writer.Recorder | None):
+        self.rec = rec
+        self.waiting: list[tuple[dict[str, float], int]] = []
+        self.last_write = time.perf_counter()
+
+    def add(self, metrics: dict[str, float], step: int) -> None:
+        if self.rec is not None:
+            self.waiting.append((metrics, step))
+
+    def due(self) -> bool:
+        return bool(self.waiting) and time.perf_counter() - self.last_write >= RECORD_EVERY_S
+
+    def write(self) -> float:
+        """Write what waits, in update order; the seconds it took."""
+        start = time.perf_counter()
+        waiting, self.waiting = self.waiting, []
+        for metrics, step in waiting:
+            self.rec.log_metrics(metrics, step=step)  # type: ignore[union-attr]
+        self.last_write = time.perf_counter()
+        return self.last_write - start
+
+    def close(self) -> None:
+        """The last write, of whatever waits."""
+        if self.waiting:
+            self.write()
+
 
 class Stopped(Exception):
     """The process was asked to stop (SIGTERM): the launcher stops every rank
@@ -48,6 +91,12 @@ def train(
     cfg: Config, arm: str, run_id: str, *, updates: int | None = None, save: bool = True, probing: capacity.RankProbe | None = None
 ) -> None:
     torch.set_num_threads(cfg.train.threads_per_device)
+    try:
+        # No inter-op pool wider than the device (nothing here uses one; it
+        # would only add threads).
+        torch.set_num_interop_threads(cfg.train.threads_per_device)
+    except RuntimeError:
+        pass  # already set, or parallel work already started: keep it
     shape = getattr(cfg.arms, arm)
     with distributed.session(cfg) as ctx:
         if ctx.world_size != shape.workers:
@@ -79,42 +128,66 @@ def train(
 
         first_start = last_end = 0.0
         phases: list[str | None] = []
-        with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update") as advance:
-            for k, global_batch in enumerate(schedule, start=1):
-                start = time.perf_counter()
-                if k == 1:
-                    first_start = start
-                # Same global batch in every arm; this worker takes its share.
-                result = update.worker_update(
-                    net, optimizer, scheduler, documents, global_batch, ctx,
-                    microbatch=shape.microbatch, precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
-                )
-                # The update ends by reading the loss off the device (after the
-                # optimizer step in stream order), so the clock stops when the
-                # device has finished the update, not when its kernels were queued.
-                last_end = time.perf_counter()
-                if probing is not None:
-                    probing.updated(last_end - start)
-                phases.append(result.comm.phase if result.comm else None)
-                if rec is not None:
-                    rec.log_metrics(
-                        {
-                            schema.M_LOSS: result.loss,
-                            schema.M_GRAD_NORM: result.grad_norm,
-                            schema.M_LR: result.lr,
-                            schema.M_UPDATE_SECONDS: last_end - start,
-                            schema.M_TOKENS: result.tokens,
-                            # One worker's collective payload; the control sends nothing.
-                            schema.M_BYTES: result.comm.total if result.comm else 0,
-                        },
-                        step=k,
-                    )
-                    advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
+        times: list[update.UpdateTimes] = []
+        computed = local_tokens = 0
+        pending = _Pending(rec)
+        # Seconds of the write inside the window just before the next update.
+        record_seconds = 0.0
+        try:
+            with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update") as advance:
+                for k, global_batch in enumerate(schedule, start=1):
+                    start = time.perf_counter()
+                    if k == 1:
+                        first_start = start
+                    # Same global batch in every arm; this worker takes its share.
+                    result = update.worker_update(
+                        net, optimizer, scheduler, documents, global_batch, ctx,
+                        microbatch=shape.microbatch, precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
+                    )  # fmt: skip
+                    # The update ends by reading the loss off the device (after the
+                    # optimizer step in stream order), so the clock stops when the
+                    # device has finished the update, not when its kernels were queued.
+                    last_end = time.perf_counter()
+                    if probing is not None:
+                        probing.updated(last_end - start)
+                    phases.append(result.comm.phase if result.comm else None)
+                    times.append(result.times)
+                    computed += result.computed_tokens
+                    local_tokens += result.local_tokens
+                    if rec is not None:
+                        t = result.times
+                        pending.add(
+                            {
+                                schema.M_LOSS: result.loss,
+                                schema.M_GRAD_NORM: result.grad_norm,
+                                schema.M_LR: result.lr,
+                                schema.M_UPDATE_SECONDS: last_end - start,
+                                schema.M_TOKENS: result.tokens,
+                                # One worker's collective payload; the control sends nothing.
+                                schema.M_BYTES: result.comm.total if result.comm else 0,
+                                schema.M_FORWARD_BACKWARD_SECONDS: t.forward_backward,
+                                schema.M_COMM_SECONDS: t.communication,
+                                schema.M_OPTIMIZER_SECONDS: t.optimizer,
+                                schema.M_OTHER_SECONDS: t.other,
+                                schema.M_RECORD_SECONDS: record_seconds,
+                            },
+                            k,
+                        )
+                        advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
+                        record_seconds = pending.write() if k < len(schedule) and pending.due() else 0.0
+        except BaseException:
+            # A failed run keeps what it measured; the failure matters more than its record.
+            with contextlib.suppress(Exception):
+                pending.close()
+            raise
+        # After the last update: outside the window.
+        pending.close()
 
         saved = None
         if save and ctx.is_main:
             saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
         memory = _gather_peak_memory(ctx)
+        times_by_rank = _gather_times(ctx, times)
         if rec is not None:
             summary = {
                 "arm": arm,
@@ -131,6 +204,10 @@ def train(
                 "assignment": batching.assignment(schedule, ctx.world_size),
                 "active_seconds": last_end - first_start,
                 "memory_by_rank": memory,
+                # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
+                "times_by_rank": times_by_rank,
+                # Real tokens / computed positions of rank 0's forwards: 1.0, packed.
+                "padding_efficiency": local_tokens / computed if computed else 1.0,
                 "inputs_sha256": prepared.digest,
                 "seed_sha256": seed.sha256,
                 "torch": torch.__version__,
@@ -150,6 +227,24 @@ def _gather_peak_memory(ctx: distributed.DistContext) -> list[dict[str, float]]:
     gathered = distributed.all_reduce_sums(slots)
     names = ("peak_rss_mb", "cuda_max_allocated_mb", "cuda_max_reserved_mb")
     return [dict(zip(names, gathered[r * len(mine) : (r + 1) * len(mine)])) for r in range(ctx.world_size)]
+
+
+_TIME_PARTS = ("forward_backward", "communication", "optimizer", "other")
+
+
+def _gather_times(ctx: distributed.DistContext, times: list[update.UpdateTimes]) -> list[dict[str, list[float]]]:
+    """Every rank's per-update breakdown, gathered like the memory figures:
+    the faster rank's communication seconds hold its wait for the slower."""
+    mine = [getattr(t, part) for part in _TIME_PARTS for t in times]
+    slots = [0.0] * (len(mine) * ctx.world_size)
+    slots[ctx.rank * len(mine) : (ctx.rank + 1) * len(mine)] = mine
+    gathered = distributed.all_reduce_sums(slots)
+    n = len(times)
+    out = []
+    for r in range(ctx.world_size):
+        base = r * len(mine)
+        out.append({part: gathered[base + i * n : base + (i + 1) * n] for i, part in enumerate(_TIME_PARTS)})
+    return out
 
 
 def _record_run(rec: writer.Recorder, summary: dict, counter: distributed.ByteCounter | None, saved: checkpoint.Saved | None, *, cuda: bool) -> None:

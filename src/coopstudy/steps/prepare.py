@@ -19,7 +19,7 @@ Resolves the seed model (model.*), then writes the study's inputs to
   train.jsonl      tasks from data.families and replay conversations, tokenized
                    with per-token weights (task answers data.answer_weight,
                    replay assistant turns data.replay_weight, prompts 0)
-  retention.jsonl  retention probes (disjoint from replay)
+  retention.jsonl  retention probes (no topic, 13-gram, long message or id shared with replay)
   test.jsonl       the final test (no question shared with training)
   schedule.json    the documents of every update's global batch, the same for both arms
   manifest.json    sha256 of every file, counts, token statistics, truncation
@@ -32,8 +32,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     book = ledger.Ledger()
     with writer.stage_run(schema.STAGE_PREPARE, cfg) as rec:
-        # A ledger whose chain does not verify is refused before any work.
+        # A ledger whose chain does not verify, or a replay source that is
+        # missing or malformed, is refused before any work.
         book.entries()
+        pool = data.conversation_pool(cfg)
 
         seed_at = time.perf_counter()
         seed = resolve_seed(cfg)
@@ -45,7 +47,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         built_at = time.perf_counter()
-        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, ui.track)
+        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, ui.track, pool)
         folder, status = data.write_prepared(built)
         build_seconds = time.perf_counter() - built_at
         digest = built.digest
@@ -88,7 +90,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         f"  train: {counts['train']} documents ({counts['tasks']} tasks, {cfg.data.tasks_per_family} per family of "
         f"{', '.join(cfg.data.families)}; {counts['replay']} replay), {cfg.train.updates} updates x {cfg.train.global_batch}\n"
         f"  test: {counts['test']} cases ({m['test_dropped']} generated questions dropped: already in training or repeated)\n"
-        f"  retention: {counts['retention']} probes; conversations from {m['conversations']['source']}\n"
+        f"  {data.describe_split(m)}\n"
         f"  truncated to {trunc['max_context']} tokens: {trunc['documents']} documents, {trunc['tokens']} tokens\n"
         f"  ledger: {commitment}\n"
         f"  mlflow run {rec.run_id}, {time.perf_counter() - started:.1f} s",

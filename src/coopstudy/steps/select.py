@@ -19,6 +19,7 @@ Writes: two ledger entries (kind candidate, subject <plan sha>/<arm>, the
 weights' sha256) and a select run tagged with the plan,
 coopstudy.candidate.<arm> (each hash) and coopstudy.candidate_run.<arm> (each
 train run id).
+Only a FINISHED train run counts: one interrupted, stopped or killed never does.
 Refuses (exit 2, a FAILED select run on record) when an arm has no finished
 train run, when the weights on disk no longer hash to what training recorded,
 or when this plan's candidates were already selected: the selection is made
@@ -29,11 +30,17 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     with writer.stage_run(schema.STAGE_SELECT, cfg) as rec:
         plan_sha = require.committed_plan(cfg)
         rec.set_tags({schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha})
-        chosen = candidates.select_final(cfg, plan_sha, rec.run_id, ledger.Ledger())
-        rec.set_tags(
-            {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in chosen.items()}
-            | {schema.TAG_CANDIDATE_RUN_PREFIX + arm: c.train_run_id for arm, c in chosen.items()}
-        )
+        book = ledger.Ledger()
+        # Two selects at once: the second waits here, then finds the first's selection.
+        with book.locked():
+            chosen = candidates.final_candidates(cfg, plan_sha, book)
+            # On the record first: a ledger entry is never without its mirror,
+            # which later steps compare it with (ledger.Ledger.check_record).
+            rec.set_tags(
+                {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in chosen.items()}
+                | {schema.TAG_CANDIDATE_RUN_PREFIX + arm: c.train_run_id for arm, c in chosen.items()}
+            )
+            candidates.commit(cfg, plan_sha, chosen, rec.run_id, book)
     print(f"final candidates of plan {plan_sha[:12]} ({cfg.preset}), select run {rec.run_id}:")
     for arm, c in chosen.items():
         print(f"  {arm:<10} sha256 {c.sha256}  train run {c.train_run_id}\n             {c.path}")

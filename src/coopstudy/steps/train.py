@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from coopstudy.commit import require
@@ -39,7 +43,21 @@ Writes: per arm, an MLflow run (stage {schema.STAGE_TRAIN!r}, tags {schema.TAG_A
         bytes by phase; the final weights (safetensors + tokenizer, read back and
         verified) under <home>/checkpoints/<run id>/, as artifact {schema.ART_CHECKPOINT!r} and
         tags {schema.TAG_CHECKPOINT_SHA}, {schema.TAG_CHECKPOINT_PATH}; {schema.ART_TRAIN_SUMMARY}.
-        A failure leaves the run FAILED with the error of every process that had one.
+        A failure leaves the run FAILED with the error of every process that had one;
+        Ctrl-C, SIGTERM or SIGHUP stops every process it launched (within
+        {launch.STOP_GRACE_S:.0f} s) and leaves the run KILLED with the reason. A job that
+        finds the lock of a job that died holding it (SIGKILL) says so, stops what
+        that job left running, ends its runs KILLED and proceeds.
+
+Two hosts without ssh (the compressed arm, one node per host, started by hand):
+  node 0:  train --arm compressed --nodes 2 --node-rank 0 --master-addr ADDR0 --master-port PORT
+           opens the arm's run and prints the command for node 1, with its --run-id;
+  node 1:  train --arm compressed --nodes 2 --node-rank 1 --master-addr ADDR0 --master-port PORT --run-id RUN
+           checks its own workspace (plan, gate, inputs) and joins that run; node 0
+           ends it. Both use the same preset and --set overrides; node 1 must start
+           within distributed.collective_timeout_s of node 0. --hostfile names the
+           hosts (one `HOST slots=1` line each) and is optional here: without ssh
+           the launcher only counts them.
 """
 
 
@@ -55,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run the compressed arm's two ranks on two hosts: an MPI-style hostfile, one `HOST slots=1` line per host",
     )
+    two = parser.add_argument_group("one node of a job started by hand on each host (no ssh)")
+    two.add_argument("--nodes", type=int, default=None, help="how many hosts the compressed arm runs on (2: one rank each)")
+    two.add_argument("--node-rank", type=int, default=None, help="this host's node: 0 opens the run, the others join it")
+    two.add_argument("--master-addr", default=None, help="node 0's address, which every node reaches")
+    two.add_argument("--master-port", type=int, default=None, help="the rendezvous port on node 0, the same on every node")
+    two.add_argument("--run-id", default=None, help="on a node other than 0: the run node 0 opened (it prints the command)")
 
 
 def guard(rec: writer.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
@@ -87,14 +111,101 @@ def _arm_run(cfg: Config, arm: str, tags: dict[str, str] | None = None):
     return writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, run_name=f"train-{arm}-{cfg.preset}", tags=tags)
 
 
-def train_arm(rec: writer.Recorder, cfg: Config, arm: str, hostfile: Path | None) -> None:
+@dataclass(frozen=True)
+class Nodes:
+    """One node of the compressed arm started by hand on each host."""
+
+    count: int
+    rank: int
+    master_addr: str
+    master_port: int
+    hostfile: Path
+    run_id: str | None
+    """On a node other than 0: the run node 0 opened."""
+
+
+def check_hostfile(path: Path, needed: int) -> list[str]:
+    """The hosts of an MPI-style hostfile (`HOST slots=N` lines, # comments),
+    or a one-line refusal naming the line that is not one."""
+    if not path.is_file():
+        raise UserError(f"--hostfile {path}: no such file")
+    hosts = []
+    for n, raw in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)\s+slots=([1-9][0-9]*)", line)
+        if m is None:
+            raise UserError(f"--hostfile {path} line {n}: {raw.strip()!r} is not `HOST slots=N`")
+        if m.group(1) in hosts:
+            raise UserError(f"--hostfile {path} line {n}: host {m.group(1)} is listed twice")
+        hosts.append(m.group(1))
+    if len(hosts) < needed:
+        raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, one rank each")
+    return hosts
+
+
+def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
+    """The --nodes options, checked, or None for a job this host runs whole."""
+    given = [f"--{n.replace('_', '-')}" for n in ("node_rank", "master_addr", "master_port", "run_id") if getattr(args, n, None) is not None]
+    count = getattr(args, "nodes", None)
+    if count is None or count == 1:
+        if given:
+            raise UserError(f"{', '.join(given)} start one node of a job on several hosts; give --nodes too")
+        return None
+    workers = cfg.arms.compressed.workers
+    if args.arm != "compressed":
+        raise UserError(f"--nodes {count}: only the compressed arm runs on several hosts (got --arm {args.arm})")
+    if count < 1 or workers % count:
+        raise UserError(f"--nodes {count}: the compressed arm's {workers} workers do not split over {count} hosts")
+    missing = [o for o in ("--node-rank", "--master-addr", "--master-port") if getattr(args, o[2:].replace("-", "_")) is None]
+    if missing:
+        raise UserError(f"--nodes {count} needs {', '.join(missing)} (the same address and port on every node)")
+    if not 0 <= args.node_rank < count:
+        raise UserError(f"--node-rank {args.node_rank}: a job of {count} nodes has nodes 0 to {count - 1}")
+    if not 0 < args.master_port < 65536:
+        raise UserError(f"--master-port {args.master_port} is not a TCP port")
+    if args.node_rank == 0 and args.run_id is not None:
+        raise UserError("--run-id is for the other nodes: node 0 opens the run and prints the command that joins it")
+    if args.node_rank > 0 and args.run_id is None:
+        raise UserError(f"node {args.node_rank} joins the run node 0 opened: give its --run-id (node 0 prints the command)")
+    if args.hostfile is not None:
+        check_hostfile(args.hostfile, count)
+        hostfile = args.hostfile
+    else:
+        hostfile = launch.node_hostfile(count, workers // count)
+    return Nodes(count, args.node_rank, args.master_addr, args.master_port, hostfile, args.run_id)
+
+
+def _join_command(cfg: Config, args: argparse.Namespace, nodes: Nodes, run_id: str, rank: int) -> str:
+    words = ["python", "-m", "coopstudy", "train", "--preset", str(args.preset), "--arm", "compressed"]
+    overrides = [o for item in getattr(args, "overrides", []) or [] for o in item.split()]
+    if overrides:
+        words += ["--set", *overrides]
+    if args.hostfile is not None:
+        words += ["--hostfile", str(args.hostfile)]
+    words += ["--nodes", str(nodes.count), "--node-rank", str(rank), "--master-addr", nodes.master_addr]
+    words += ["--master-port", str(nodes.master_port), "--run-id", run_id]
+    return shlex.join(words)
+
+
+def train_arm(
+    rec: writer.Recorder, cfg: Config, arm: str, hostfile: Path | None, held: lock.Held | None = None, nodes: Nodes | None = None
+) -> None:
     """Launch the arm's processes into run `rec`, time them from outside, and
     confirm they left a verified checkpoint."""
     workers = getattr(cfg.arms, arm).workers
-    cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == "compressed" else None)
-    how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
+    if nodes is not None:
+        cmd = launch.command(
+            cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
+            master_addr=nodes.master_addr, master_port=nodes.master_port,
+        )  # fmt: skip
+        how = f"node 0 of {nodes.count} ({workers // nodes.count} of {workers} ranks), rendezvous {nodes.master_addr}:{nodes.master_port}"
+    else:
+        cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == "compressed" else None)
+        how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
     print(f"train {arm}: {how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
-    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers)
+    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
     device_seconds = workers * done.complete_seconds
     # A failed attempt spent its device time too: recorded either way.
     rec.log_metrics(
@@ -121,30 +232,110 @@ def train_arm(rec: writer.Recorder, cfg: Config, arm: str, hostfile: Path | None
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     arms = ARMS if args.arm == "both" else (args.arm,)
-    if args.hostfile is not None and not args.hostfile.is_file():
-        raise UserError(f"--hostfile {args.hostfile}: no such file")
-    devices = launch.devices_of(cfg, arms, args.hostfile)
+    nodes = _nodes(cfg, args)
+    if args.hostfile is not None and nodes is None:
+        check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+    devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
     holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset}"
-    if len(arms) == 1:
-        # The arm's run is the stage's run: the lock and the prerequisites are
-        # checked inside it, so a refusal stays on record as a FAILED attempt.
-        with _arm_run(cfg, arms[0]) as rec:
-            with lock.device_lock(devices, holder):
+    # A SIGTERM or SIGHUP anywhere in the stage ends it as Ctrl-C does: the
+    # launched processes stopped, the lock released, the run KILLED with the reason.
+    with launch.stopping():
+        if nodes is not None and nodes.rank > 0:
+            return join_node(cfg, nodes, devices, f"{holder} --node-rank {nodes.rank}")
+        if len(arms) == 1:
+            # The arm's run is the stage's run: the lock and the prerequisites are
+            # checked inside it, so a refusal stays on record as a FAILED attempt.
+            with _arm_run(cfg, arms[0]) as rec:
+                with lock.device_lock(devices, holder) as held:
+                    held.note(run_id=rec.run_id)
+                    sha, req = require.training(cfg)
+                    rec.set_tags(req)
+                    guard(rec, cfg, sha, arms)
+                    if nodes is not None:
+                        for k in range(1, nodes.count):
+                            print(f"train compressed: on node {k} run: {_join_command(cfg, args, nodes, rec.run_id, k)}", flush=True)
+                    train_arm(rec, cfg, arms[0], args.hostfile, held, nodes)
+            return 0
+        with writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}") as parent:
+            # One lock over both arms: no other job slips in between them.
+            with lock.device_lock(devices, holder) as held:
+                held.note(run_id=parent.run_id)
                 sha, req = require.training(cfg)
-                rec.set_tags(req)
-                guard(rec, cfg, sha, arms)
-                train_arm(rec, cfg, arms[0], args.hostfile)
-        return 0
-    with writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}") as parent:
-        # One lock over both arms: no other job slips in between them.
-        with lock.device_lock(devices, holder):
-            sha, req = require.training(cfg)
-            parent.set_tags(req)
-            # Both arms must fit before the first starts; each is checked
-            # again at its start, against what the first really spent.
-            guard(parent, cfg, sha, arms)
-            for arm in arms:
-                with _arm_run(cfg, arm, req) as rec:
-                    guard(rec, cfg, sha, (arm,))
-                    train_arm(rec, cfg, arm, args.hostfile)
+                parent.set_tags(req)
+                # Both arms must fit before the first starts; each is checked
+                # again at its start, against what the first really spent.
+                guard(parent, cfg, sha, arms)
+                for arm in arms:
+                    with _arm_run(cfg, arm, req) as rec:
+                        held.note(run_id=rec.run_id)
+                        guard(rec, cfg, sha, (arm,))
+                        train_arm(rec, cfg, arm, args.hostfile, held)
+    return 0
+
+
+def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int:
+    """Node K > 0: check this host's commitments, then run its ranks into the
+    run node 0 opened. Node 0's stage measures, checks the checkpoint and ends
+    the run; a refusal here is kept on that run as its ranks' errors, which
+    node 0's failure then names."""
+    from mlflow import MlflowClient
+
+    run_id = nodes.run_id
+    assert run_id is not None
+    workers = cfg.arms.compressed.workers
+    per_node = workers // nodes.count
+    ranks = range(nodes.rank * per_node, (nodes.rank + 1) * per_node)
+    client = MlflowClient(store.tracking_uri())
+    launched = False
+    try:
+        run = client.get_run(run_id)
+    except Exception as err:  # noqa: BLE001 - not in this record
+        from coopstudy.record import outbox
+
+        if outbox.is_outage(err):
+            raise
+        raise UserError(f"--run-id {run_id}: no such run in the record {store.tracking_uri()}; copy the id node 0 printed") from None
+    try:
+        tags = run.data.tags
+        if (tags.get(schema.TAG_STAGE), tags.get(schema.TAG_ARM)) != (schema.STAGE_TRAIN, "compressed"):
+            raise UserError(f"--run-id {run_id} is not a train run of the compressed arm")
+        if run.info.status != "RUNNING":
+            raise UserError(f"--run-id {run_id} is {run.info.status}, not RUNNING: start node 0 again and join the run it prints")
+        if tags.get(schema.TAG_CONFIG_SHA) != store.config_sha256(cfg):
+            raise UserError(
+                f"--run-id {run_id} runs another config (sha256 {tags.get(schema.TAG_CONFIG_SHA, '?')[:12]}, this one "
+                f"{store.config_sha256(cfg)[:12]}): give node {nodes.rank} the same --preset and --set overrides as node 0"
+            )
+        with lock.device_lock(devices, holder) as held:
+            sha, _ = require.training(cfg)
+            if tags.get(schema.TAG_PLAN) != sha:
+                raise UserError(f"node {nodes.rank}'s plan is {sha[:12]}, run {run_id} trains under {tags.get(schema.TAG_PLAN, '?')[:12]}")
+            cmd = launch.command(
+                cfg, "compressed", run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=nodes.rank,
+                master_addr=nodes.master_addr, master_port=nodes.master_port,
+            )  # fmt: skip
+            print(
+                f"train compressed: node {nodes.rank} of {nodes.count} (ranks {ranks[0]}-{ranks[-1]}), "
+                f"rendezvous {nodes.master_addr}:{nodes.master_port}, run {run_id}",
+                flush=True,
+            )
+            launched = True
+            done = launch.run(cmd, launch.worker_environment(cfg, run_id), per_node, held=held)
+        if done.returncode != 0:
+            raise TrainingFailed(
+                f"compressed arm, node {nodes.rank} failed ({launch.exit_reason(done.returncode, launcher=True)}); "
+                f"node 0 ends run {run_id} with the ranks' errors"
+            )
+    except (UserError, KeyboardInterrupt) as err:
+        if launched:
+            raise  # the ranks recorded their own errors on the run
+        # A refusal before any rank started: on the shared run, as its ranks'
+        # errors would be, so node 0's failure names it.
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        with contextlib.suppress(Exception):
+            writer.Recorder(run_id).set_tags(
+                {f"{schema.TAG_WORKER_ERROR_PREFIX}{r}": f"{type(err).__name__}: node {nodes.rank}: {first}"[:4000] for r in ranks}
+            )
+        raise
+    print(f"train compressed: node {nodes.rank} finished; node 0 ends run {run_id}", flush=True)
     return 0

@@ -16,13 +16,15 @@ from coopstudy.record import schema, writer
 HELP = "equivalence gate: the batched two-rank DDP update must match the per-document reference"
 DESCRIPTION = f"""\
 Runs the equivalence gate on CPU: two gloo ranks run the training update
-(length-sorted padded microbatches, global normalization, no_sync
-accumulation, DDP all-reduce, AdamW) and one process runs the per-document
-reference from the same start, in float64. After one and after two updates,
-every parameter, both AdamW moments, the loss and the gradient norm must agree
-within a relative error of 1e-09. Cases: unequal-lengths, weights-on-one-rank,
-reversed-assignment, prompt-and-padding-masks, partial-final-microbatch,
-clipped-gradient.
+(length-sorted packed microbatches: documents back to back, no padding,
+positions and attention per document; global normalization, no_sync
+accumulation, DDP all-reduce, fused AdamW) and one process runs the
+per-document reference from the same start, in float64. After one and after
+two updates, every parameter, both AdamW moments, the loss and the gradient
+norm must agree within a relative error of 1e-09. Cases: unequal-lengths,
+weights-on-one-rank, reversed-assignment, prompt-and-padding-masks,
+partial-final-microbatch, clipped-gradient, nonzero-first-weight,
+adjacent-one-token-documents, one-document-microbatch.
 
 Reads:  the numerical sources ({", ".join(sources.numerical_sources())}):
         every module of coopstudy/numerics/; the preset's optimizer settings

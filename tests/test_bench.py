@@ -1,0 +1,106 @@
+"""The benchmarks on the tiny preset: `bench arms` runs both arms' real loops
+and logs the per-phase table; `bench objective` computes only real tokens.
+Speed figures are not checked (benchmarks, not timed tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import mlflow
+import pytest
+import torch
+
+from coopstudy import bench, config
+from coopstudy.record import schema, store
+
+
+def _runs(filter_string: str) -> list:
+    client = mlflow.MlflowClient(tracking_uri=store.tracking_uri())
+    exp = client.get_experiment_by_name("coopstudy")
+    return client.search_runs([exp.experiment_id], filter_string)
+
+
+def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(prepared_tiny, cli, tmp_path):
+    cfg = config.load("tiny")
+    dense = cfg.powersgd.dense_updates
+    updates = dense + 1
+    done = cli("bench", "arms", "--preset", "tiny", "--updates", str(updates))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for text in ("dense, updates 1-2", "compressed, updates 3-3", "ratio control / compressed", "compute-only ideal ratio",
+                 "compressed arm by rank", "fraction of the fp32 peak", "matmul peak"):  # fmt: skip
+        assert text in done.stdout, text
+
+    (parent,) = _runs(f"attributes.run_name = 'bench-arms-tiny'")
+    assert parent.info.status == "FINISHED" and parent.data.tags[schema.TAG_STAGE] == schema.STAGE_BENCH
+    m = parent.data.metrics
+    for phase in ("dense", "compressed"):
+        assert m[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] > 0
+        assert m[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] > 0
+        for arm in ("control", "compressed"):
+            assert m[f"{schema.M_BENCH_ARMS_PREFIX}{phase}/{arm}/update"] > 0
+    assert m[f"{schema.M_BENCH_ARMS_PREFIX}compressed/control/comm"] == 0
+    assert m[f"{schema.M_BENCH_ARMS_PREFIX}compressed/compressed/comm"] > 0
+    assert m[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}fp32"] > 0 and m[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}bf16/after"] > 0
+    assert 0 < m[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}control"] < 1
+
+    client = mlflow.MlflowClient(tracking_uri=store.tracking_uri())
+    for arm in ("control", "compressed"):
+        (child,) = _runs(f"attributes.run_name = 'bench-arms-{arm}-tiny'")
+        assert child.info.status == "FINISHED" and child.data.tags[schema.TAG_ARM] == arm
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        # The train loop's per-update record: every part of the breakdown, at every update.
+        for key in (schema.M_UPDATE_SECONDS, schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS,
+                    schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_RECORD_SECONDS):  # fmt: skip
+            assert [p.step for p in client.get_metric_history(child.info.run_id, key)] == list(range(1, updates + 1)), key
+        parts = {
+            key: {p.step: p.value for p in client.get_metric_history(child.info.run_id, key)}
+            for key in (schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS, schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS)
+        }
+        seconds = {p.step: p.value for p in client.get_metric_history(child.info.run_id, schema.M_UPDATE_SECONDS)}
+        for k in seconds:
+            # The parts add up to the update (the loop's clock also holds the probe check and the call itself).
+            assert sum(part[k] for part in parts.values()) == pytest.approx(seconds[k], rel=0.05, abs=0.02)
+        summary = json.loads(store.download_artifact(child.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path / arm).read_text())
+        assert summary["padding_efficiency"] == 1.0
+        assert len(summary["times_by_rank"]) == (2 if arm == "compressed" else 1)
+        assert all(len(r["forward_backward"]) == updates for r in summary["times_by_rank"])
+    (compressed,) = _runs("attributes.run_name = 'bench-arms-compressed-tiny'")
+    assert compressed.data.metrics[schema.M_BYTES_COMPRESSED] > 0
+
+
+def test_bench_arms_refuses_without_prepared_inputs(cli):
+    done = cli("bench", "arms", "--preset", "tiny", "--updates", "2")
+    assert done.returncode == 2
+    assert "prepare --preset tiny" in done.stderr
+
+
+def test_bench_objective_computes_real_tokens_only(tiny_seed, capsys):
+    result = bench.bench_objective(config.load("tiny"), updates=1, source="synthetic", console=bench.Console(width=140))
+    assert result[f"{schema.M_BENCH_PADDING_PREFIX}sorted/control"] == 1.0
+    assert result[f"{schema.M_BENCH_PADDING_PREFIX}unsorted/compressed"] == 1.0
+    assert result[schema.M_BENCH_LOSS_REL_GAP] < 1e-4
+    out = capsys.readouterr().out
+    assert "padding efficiency, measured (real / computed tokens)" in out and "1.000" in out
+
+
+@dataclass(frozen=True)
+class Doc:
+    input_ids: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+def test_training_flops_count_every_token_the_output_layer_at_targets_and_attention_in_documents():
+    shape = bench.ModelShape(parameters=1000, matmul_parameters=600, output_parameters=300, layers=2, attention_width=8)
+    docs = [Doc((1, 2, 3), (0.0, 0.0, 8.0)), Doc((4, 5), (0.0, 1.0))]
+    executed, nominal = shape.training_flops(docs)
+    attention = 6 * 2 * 8 * (3 * 4 + 2 * 3)
+    assert executed == 6 * 600 * 5 + 6 * 300 * 2 + attention
+    assert nominal == 6 * 1000 * 5 + attention
+
+
+def test_the_matmul_peak_is_measured_in_bounded_time():
+    torch.set_num_threads(1)
+    gflops = bench.matmul_peak_gflops(torch.float32, torch.device("cpu"), seconds=0.05)
+    assert gflops > 0 and math.isfinite(gflops)
