@@ -260,3 +260,14 @@ class Server:
 
     def client(self) -> mlflow.MlflowClient:
         return mlflow.MlflowClient(tracking_uri=self.uri)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """A loopback `mlflow server` with proxied artifacts, shared by a module's tests."""
+    srv = Server(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()

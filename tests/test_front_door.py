@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT, Server, checkout_copy
+from fixtures import ROOT, checkout_copy
 
 from coopstudy import config
 from coopstudy.record import schema, store
@@ -107,16 +107,6 @@ def test_two_projects_sharing_one_environment_keep_their_own_study_files(project
     for p in (project, other):
         ledger = (p.root / ".coopstudy" / "ledger.jsonl").read_text().splitlines()
         assert len(ledger) == 1 and (p.root / "mlflow.db").is_file()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("front-door-server"))
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
 
 
 def test_train_through_mlflow_run_records_on_the_server_named_in_the_project(project, server):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT, Server
+from fixtures import ROOT
 from mlflow.entities import ViewType
 
 from coopstudy import workspace
@@ -34,16 +34,6 @@ from coopstudy.record import schema, store, writer
 pytestmark = pytest.mark.slow
 
 OUTAGE_UPDATES = 30
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("mlflow-server"))
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _remote_env(remote_file: Path, home: Path, **extra: str) -> dict[str, str]:
