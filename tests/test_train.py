@@ -7,6 +7,7 @@ prerequisites train checks), then every test reads the runs it made.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -60,8 +61,16 @@ def _history(run, name: str) -> list[float]:
 def both():
     # As `mlflow run . -e train -P arm=both` does: a project run is created
     # first and handed over in MLFLOW_RUN_ID; it becomes the parent of both arms.
-    project = _client().create_run(store.experiment_id("coopstudy")).info.run_id
-    done = run_cli("train", "--preset", "tiny", "--arm", "both", env={"MLFLOW_RUN_ID": project})
+    # The stage is started as mlflow run starts it: by a shell whose environment
+    # holds the run, the store and the experiment (the stage reads the
+    # user's own environment off its parent, coopstudy.record.store).
+    experiment = store.experiment_id("coopstudy")
+    project = _client().create_run(experiment).info.run_id
+    done = subprocess.run(
+        ["/bin/sh", "-c", '"$0" -m coopstudy train --preset tiny --arm both; exit $?', sys.executable],
+        cwd=ROOT, env={**os.environ, "MLFLOW_RUN_ID": project, "MLFLOW_EXPERIMENT_ID": experiment},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     parent = _client().get_run(project)
     children = _runs(f"tags.`mlflow.parentRunId` = '{project}'")

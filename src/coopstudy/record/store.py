@@ -118,8 +118,12 @@ def _launcher_environment() -> dict[str, str] | None:
     where the system shows it: MLproject commands are one simple command, so
     bash execs it and the parent of this process is `mlflow run`."""
     try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
         raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
     except OSError:
+        return None
+    # Only `mlflow run` itself: another parent may have changed its environment since it started.
+    if not (any(Path(a).name == "mlflow" for a in argv[:2]) and "run" in argv):
         return None
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
