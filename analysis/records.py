@@ -11,9 +11,7 @@ run id it came from, so each number in the report traces back to its run.
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,12 +120,6 @@ def evaluate_role(model: str) -> str:
 SELECT_ROLE = "select"
 
 
-def _client():
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=store.tracking_uri())
-
-
 def _newest_finished(experiment: str, tags: dict[str, str]):
     flt = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"])
     found = store.search_runs(experiment, flt)
@@ -232,12 +224,10 @@ def _train_row(arm: str, run) -> dict[str, Any]:
 
 
 def _read_table(run_id: str, artifact: str, columns: tuple[str, ...], what: str) -> pd.DataFrame:
-    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
-        try:
-            path = store.download_artifact(run_id, artifact, tmp)
-        except Exception as err:  # noqa: BLE001 - any store error means the same thing here
-            raise RefusedError(f"{what} run {run_id} has no artifact {artifact} ({type(err).__name__})") from None
-        raw = json.loads(path.read_text())
+    try:
+        raw = store.artifact_json(run_id, artifact)
+    except Exception as err:  # noqa: BLE001 - any store error means the same thing here
+        raise RefusedError(f"{what} run {run_id} has no artifact {artifact} ({type(err).__name__})") from None
     # MLflow tables are {"columns": [...], "data": [[...], ...]}.
     frame = pd.DataFrame(raw["data"], columns=raw["columns"])
     absent = [c for c in columns if c not in frame.columns]
@@ -307,11 +297,10 @@ def _inputs(train_runs: dict[str, Any], experiment: str) -> dict[str, Any] | Non
     run = _newest_finished(experiment, {schema.TAG_STAGE: schema.STAGE_PREPARE, schema.TAG_INPUTS: sha})
     if run is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
-        try:
-            manifest = json.loads(store.download_artifact(run.info.run_id, schema.ART_MANIFEST, tmp).read_text())
-        except Exception:  # noqa: BLE001 - a prepare run without its manifest says nothing
-            return None
+    try:
+        manifest = store.artifact_json(run.info.run_id, schema.ART_MANIFEST)
+    except Exception:  # noqa: BLE001 - a prepare run without its manifest says nothing
+        return None
     return {"sha256": sha, "prepare_run": run.info.run_id} | {k: manifest.get(k) for k in INPUT_SECTIONS}
 
 
@@ -322,11 +311,10 @@ def check_plan_sources(experiment: str, plan_sha: str) -> None:
     run = _newest_finished(experiment, {schema.TAG_STAGE: schema.STAGE_PLAN, schema.TAG_PLAN: plan_sha})
     if run is None:
         raise RefusedError(f"plan {plan_sha[:12]}: no FINISHED plan run in experiment {experiment!r} holds it; the sources it binds cannot be checked")
-    with tempfile.TemporaryDirectory(prefix="coopstudy-report-") as tmp:
-        try:
-            doc = json.loads(store.download_artifact(run.info.run_id, schema.ART_PLAN, tmp).read_text())
-        except Exception as err:  # noqa: BLE001 - any store error means the same thing here
-            raise RefusedError(f"plan run {run.info.run_id} has no artifact {schema.ART_PLAN} ({type(err).__name__})") from None
+    try:
+        doc = store.artifact_json(run.info.run_id, schema.ART_PLAN)
+    except Exception as err:  # noqa: BLE001 - any store error means the same thing here
+        raise RefusedError(f"plan run {run.info.run_id} has no artifact {schema.ART_PLAN} ({type(err).__name__})") from None
     changed = sources.changed_sources(doc.get("sources", {}).get("files", {}))
     if changed:
         raise RefusedError(
@@ -341,7 +329,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     key = study_key(cfg, plan)
     if key.kind == "plan":
         check_plan_sources(cfg.experiment, key.value)
-    client = _client()
+    client = store.client()
     runs = _find_runs(client, cfg.experiment, key)
     _check_one_study(runs, cfg)
     plan_sha = _plan_of(runs, key)

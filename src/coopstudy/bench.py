@@ -55,12 +55,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -321,8 +319,6 @@ def _history(client, run_id: str, key: str) -> dict[int, float]:
 
 def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tuple[str, dict]:
     """One arm's real loop, launched as `train` launches it, into its own child run."""
-    from mlflow import MlflowClient
-
     from coopstudy.record import store
     from coopstudy.run import launch
 
@@ -335,13 +331,10 @@ def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tup
         done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
         rec.log_metrics({schema.M_COMPLETE_SECONDS: done.complete_seconds, schema.M_DEVICE_SECONDS: workers * done.complete_seconds})
         if done.returncode != 0:
-            tags = MlflowClient(store.tracking_uri()).get_run(rec.run_id).data.tags
-            said = [f"rank {r}: {tags[k]}" for r in range(workers) if (k := f"{schema.TAG_WORKER_ERROR_PREFIX}{r}") in tags]
-            raise UserError("; ".join([f"bench arms: the {arm} arm failed ({launch.exit_reason(done.returncode, launcher=workers > 1)})", *said]))
-        client = MlflowClient(store.tracking_uri())
+            raise UserError(f"bench arms: {launch.failure(rec.run_id, arm, workers, done.returncode)}")
+        client = store.client()
         per_update = {part: _history(client, rec.run_id, key) for part, key in _PARTS}
-        with tempfile.TemporaryDirectory(prefix="coopstudy-bench-") as tmp:
-            summary = json.loads(store.download_artifact(rec.run_id, schema.ART_TRAIN_SUMMARY, tmp).read_text())
+        summary = store.artifact_json(rec.run_id, schema.ART_TRAIN_SUMMARY)
         final = client.get_run(rec.run_id).data.metrics
     return rec.run_id, {"per_update": per_update, "summary": summary, "complete_seconds": done.complete_seconds, "metrics": final}
 

@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sources_digest(step: Step) -> dict[str, str]:
-    return {rel: workspace.sha256_file(sources.PACKAGE.parents[1] / rel) for rel in step_sources(step)}
+    return {rel: workspace.sha256_file(sources.project_dir() / rel) for rel in step_sources(step)}
 
 
 def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:

@@ -7,9 +7,11 @@ project's: every layer may use it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 HOME_VARIABLE = "COOPSTUDY_HOME"
 WEIGHTS_FILE = "model.safetensors"
@@ -47,6 +49,12 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(value: Any) -> str:
+    """sha256 of `value` as canonical JSON (sorted keys, no spaces): the digest of
+    a ledger entry and of a gate receipt."""
+    return sha256_bytes(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
 
 
 def relative(path: Path) -> str:

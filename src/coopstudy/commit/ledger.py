@@ -74,7 +74,7 @@ class Entry:
 
 
 def _entry_hash(body: dict[str, Any]) -> str:
-    return workspace.sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return workspace.sha256_json(body)
 
 
 def in_force(entries: Sequence[Entry]) -> list[Entry]:
@@ -312,26 +312,15 @@ class _Record:
         if not run_id:
             return None
         rerun = "run `python -m coopstudy verify`"
-        import tempfile
-
-        # MLflow's download bar would be a second line beside a step's one.
-        quiet, before = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-        os.environ[quiet] = "false"
         try:
-            with tempfile.TemporaryDirectory(prefix="coopstudy-gate-") as tmp:
-                receipt = json.loads(store.download_artifact(run_id, schema.ART_GATE_RECEIPT, tmp).read_text())
+            receipt = store.artifact_json(run_id, schema.ART_GATE_RECEIPT)
         except Exception as err:  # noqa: BLE001 - missing or unreadable: the same refusal
             from coopstudy.record import outbox
 
             if outbox.is_outage(err):
                 raise
             return f"the gate receipt {schema.ART_GATE_RECEIPT} of verify run {run_id} cannot be read ({type(err).__name__}); {rerun}"
-        finally:
-            if before is None:
-                os.environ.pop(quiet, None)
-            else:
-                os.environ[quiet] = before
-        actual = workspace.sha256_bytes(json.dumps(receipt, sort_keys=True, separators=(",", ":")).encode())
+        actual = workspace.sha256_json(receipt)
         if actual != entry.digest:
             return (
                 f"the gate receipt {schema.ART_GATE_RECEIPT} of verify run {run_id} hashes to {actual[:12]}, "

@@ -134,23 +134,15 @@ def digest(doc: dict[str, Any]) -> str:
     return workspace.sha256_bytes(json.dumps(doc, sort_keys=True).encode())
 
 
-def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    return [
-        f"{name} ({'removed' if name not in new else 'new' if name not in old else 'changed'})"
-        for name in sorted(set(old) | set(new))
-        if old.get(name) != new.get(name)
-    ]
-
-
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     out = []
     for key in sorted(set(old) | set(new)):
         if old.get(key) == new.get(key):
             continue
         if key == "sources":
-            out.append("source " + ", ".join(changed(old[key]["files"], new[key]["files"])))
+            out.append("source " + ", ".join(sources.changed(old[key]["files"], new[key]["files"])))
         elif key == "probe_receipts":
-            out.append("probe receipt " + ", ".join(changed(old[key], new[key])))
+            out.append("probe receipt " + ", ".join(sources.changed(old[key], new[key])))
         elif key == "inputs":
             out.append(f"prepared inputs ({old[key]['sha256'][:12]} -> {new[key]['sha256'][:12]})")
         elif key == "gate_receipt":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -40,22 +39,12 @@ def setting_name(arm: str, microbatch: int, allocator: str) -> str:
 def read_rank_reports(run_id: str) -> dict[int, dict[str, Any]]:
     """Every rank report the candidate's processes left on its run."""
     folder = schema.ART_PROBE_RANK_PREFIX.rsplit("/", 1)[0]
-    # MLflow's download bar would cut into the sweep's own lines.
-    quiet = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-    before = os.environ.get(quiet)
-    os.environ[quiet] = "false"
-    try:
-        with tempfile.TemporaryDirectory(prefix="coopstudy-probe-") as tmp:
-            try:
-                local = store.download_artifact(run_id, folder, tmp)
-            except Exception:  # noqa: BLE001 - no process got as far as reporting
-                return {}
-            reports = [json.loads(p.read_text()) for p in sorted(Path(local).glob("rank*.json"))]
-    finally:
-        if before is None:
-            os.environ.pop(quiet)
-        else:
-            os.environ[quiet] = before
+    with tempfile.TemporaryDirectory(prefix="coopstudy-probe-") as tmp:
+        try:
+            local = store.download_artifact(run_id, folder, tmp)
+        except Exception:  # noqa: BLE001 - no process got as far as reporting
+            return {}
+        reports = [json.loads(p.read_text()) for p in sorted(Path(local).glob("rank*.json"))]
     return {r["rank"]: r for r in reports}
 
 
@@ -245,7 +234,7 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def gate_receipt_digest(receipt: dict[str, Any]) -> str:
-    return workspace.sha256_bytes(json.dumps(receipt, sort_keys=True, separators=(",", ":")).encode())
+    return workspace.sha256_json(receipt)
 
 
 def gate_receipt(result: gate.GateResult, cfg: Config) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def committed_plan(cfg: Config) -> str:
         raise RefusedError(f"changed since the plan {short} was committed: source {', '.join(changed)}; {rerun}")
     hashes = receipts.receipt_hashes(cfg)
     if hashes != old["probe_receipts"]:
-        changed = planning.changed(old["probe_receipts"], hashes)
+        changed = sources.changed(old["probe_receipts"], hashes)
         raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}; {rerun}")
     try:
         new = planning.build(cfg, inputs(cfg), gate_receipt())

@@ -39,7 +39,12 @@ def numerical_sources_sha256(directory: Path | None = None) -> tuple[str, dict[s
     """(combined sha256, {file: sha256}) of the numerical sources of the package at
     `directory` (default: this one)."""
     root = Path(directory) if directory is not None else PACKAGE
-    files = {name: workspace.sha256_file(root / name) for name in numerical_sources(root)}
+    return _hashed(root, numerical_sources(root))
+
+
+def _hashed(root: Path, names: list[str]) -> tuple[str, dict[str, str]]:
+    """(combined sha256, {file: sha256}) of the files `names` under `root`."""
+    files = {name: workspace.sha256_file(root / name) for name in names}
     combined = workspace.sha256_bytes("".join(f"{name}\t{sha}\n" for name, sha in sorted(files.items())).encode())
     return combined, files
 
@@ -79,21 +84,22 @@ def deciding_sources() -> list[str]:
 
 def deciding_sources_sha256() -> tuple[str, dict[str, str]]:
     """(combined sha256, {file: sha256}) of deciding_sources()."""
-    root = project_dir()
-    files = {name: workspace.sha256_file(root / name) for name in deciding_sources()}
-    combined = workspace.sha256_bytes("".join(f"{name}\t{sha}\n" for name, sha in sorted(files.items())).encode())
-    return combined, files
+    return _hashed(project_dir(), deciding_sources())
+
+
+def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """The names whose sha256 differs between `old` and `new` ({name: sha256}),
+    each with what happened to it: `name (changed|new|removed)`, sorted."""
+    return [
+        f"{name} ({'removed' if name not in new else 'new' if name not in old else 'changed'})"
+        for name in sorted(set(old) | set(new))
+        if old.get(name) != new.get(name)
+    ]
 
 
 def changed_sources(committed: dict[str, str]) -> list[str]:
-    """The deciding sources that differ from `committed` ({file: sha256}), each
-    with what happened to it: `file (changed|new|removed)`, sorted."""
-    _, now = deciding_sources_sha256()
-    return [
-        f"{name} ({'removed' if name not in now else 'new' if name not in committed else 'changed'})"
-        for name in sorted(set(committed) | set(now))
-        if committed.get(name) != now.get(name)
-    ]
+    """The deciding sources that differ from `committed` ({file: sha256}), as `changed` words them."""
+    return changed(committed, deciding_sources_sha256()[1])
 
 
 def library_versions() -> dict[str, str]:
@@ -118,7 +124,7 @@ def _imports(path: Path) -> set[str]:
 
 def module_file(module: str) -> Path | None:
     """The source file of a project module, or None for a name that is not a module."""
-    root = PACKAGE.parent if module.startswith("coopstudy") else PACKAGE.parents[1]
+    root = PACKAGE.parent if module.startswith("coopstudy") else project_dir()
     base = root.joinpath(*module.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():

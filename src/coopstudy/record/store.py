@@ -14,12 +14,14 @@ records in the same store.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from coopstudy import config as config_mod
@@ -218,8 +220,27 @@ def search_runs(experiment: str, filter_string: str, order_by: tuple[str, ...] =
     return list(mlflow_client.search_runs([exp.experiment_id], filter_string, order_by=list(order_by), max_results=1000))
 
 
+PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
 def download_artifact(run_id: str, artifact_path: str, dst: str | Path | None = None) -> Path:
+    """A run's artifact, downloaded. MLflow's download bar stays off: these are
+    the study's own reads, and a bar would cut into a step's lines."""
     from mlflow.artifacts import download_artifacts
 
     dst = dst or tempfile.mkdtemp(prefix="coopstudy-")
-    return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=tracking_uri()))
+    before = os.environ.get(PROGRESS_BAR_VARIABLE)
+    os.environ[PROGRESS_BAR_VARIABLE] = "false"
+    try:
+        return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=tracking_uri()))
+    finally:
+        if before is None:
+            os.environ.pop(PROGRESS_BAR_VARIABLE, None)
+        else:
+            os.environ[PROGRESS_BAR_VARIABLE] = before
+
+
+def artifact_json(run_id: str, artifact_path: str) -> Any:
+    """A run's JSON artifact, parsed."""
+    with tempfile.TemporaryDirectory(prefix="coopstudy-") as tmp:
+        return json.loads(download_artifact(run_id, artifact_path, tmp).read_text())

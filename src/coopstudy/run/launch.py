@@ -46,7 +46,7 @@ from coopstudy import config as config_mod
 from coopstudy import workspace
 from coopstudy.config import TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
-from coopstudy.record import writer
+from coopstudy.record import schema, store, writer
 
 EXPANDABLE = "expandable_segments:True"
 # A process still alive this long after being asked to stop is killed.
@@ -201,6 +201,18 @@ def exit_reason(code: int, launcher: bool) -> str:
     if launcher and code > 128 and _signal_name(256 - code):
         return f"a rank was killed by {_signal_name(256 - code)}"
     return f"exit code {code}"
+
+
+def failure(run_id: str, arm: str, workers: int, code: int) -> str:
+    """One line: what the launch ended with and what each process recorded."""
+    tags = store.client().get_run(run_id).data.tags
+    said = {r: tags.get(f"{schema.TAG_WORKER_ERROR_PREFIX}{r}") for r in range(workers)}
+    parts = [f"{arm} arm failed ({exit_reason(code, launcher=workers > 1)})"]
+    parts += [f"rank {r}: {e}" for r, e in said.items() if e]
+    silent = [str(r) for r, e in said.items() if not e]
+    if silent:
+        parts.append(f"rank {', '.join(silent)} recorded no error (killed from outside, or out of host memory)")
+    return "; ".join(parts)
 
 
 class Terminated(KeyboardInterrupt):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib.util
-import os
 import re
 import sys
 from pathlib import Path
@@ -113,8 +112,6 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     from analysis import report as rep
     from analysis import screens as sc
 
-    # The terminal shows the screens; download progress bars would bury them.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     plan = getattr(args, "plan", None)
     out = getattr(args, "out", None)
     # The run opens first so that a refusal stays on record as a FAILED report run.

@@ -94,20 +94,6 @@ def guard(rec: writer.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) ->
     budget.check_budget(cfg, sha, p)
 
 
-def _failure(run_id: str, arm: str, workers: int, code: int) -> str:
-    """One line: what the launch ended with and what each process recorded."""
-    from mlflow import MlflowClient
-
-    tags = MlflowClient(store.tracking_uri()).get_run(run_id).data.tags
-    said = {r: tags.get(f"{schema.TAG_WORKER_ERROR_PREFIX}{r}") for r in range(workers)}
-    parts = [f"{arm} arm failed ({launch.exit_reason(code, launcher=workers > 1)})"]
-    parts += [f"rank {r}: {e}" for r, e in said.items() if e]
-    silent = [str(r) for r, e in said.items() if not e]
-    if silent:
-        parts.append(f"rank {', '.join(silent)} recorded no error (killed from outside, or out of host memory)")
-    return "; ".join(parts)
-
-
 def _arm_run(cfg: Config, arm: str, tags: dict[str, str] | None = None):
     return writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, run_name=f"train-{arm}-{cfg.preset}", tags=tags)
 
@@ -221,10 +207,9 @@ def train_arm(
         }
     )
     if done.returncode != 0:
-        raise TrainingFailed(_failure(rec.run_id, arm, workers, done.returncode))
-    from mlflow import MlflowClient
+        raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode))
 
-    record = MlflowClient(store.tracking_uri()).get_run(rec.run_id).data
+    record = store.client().get_run(rec.run_id).data
     if schema.TAG_CHECKPOINT_SHA not in record.tags:
         raise TrainingFailed(f"{arm} arm: the processes exited cleanly but left no verified checkpoint on run {rec.run_id}")
     print(
@@ -283,14 +268,13 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
     run node 0 opened. Node 0's stage measures, checks the checkpoint and ends
     the run; a refusal here is kept on that run as its ranks' errors, which
     node 0's failure then names."""
-    from mlflow import MlflowClient
 
     run_id = nodes.run_id
     assert run_id is not None
     workers = cfg.arms.compressed.workers
     per_node = workers // nodes.count
     ranks = range(nodes.rank * per_node, (nodes.rank + 1) * per_node)
-    client = MlflowClient(store.tracking_uri())
+    client = store.client()
     launched = False
     try:
         run = client.get_run(run_id)
