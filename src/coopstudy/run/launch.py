@@ -249,6 +249,28 @@ def stopping() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group `pgid`, this process excepted."""
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if p.pid != os.getpid() and os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def stop_processes(processes: list[psutil.Process], grace_s: float) -> None:
+    """Ask the processes to stop (SIGTERM), then insist (SIGKILL) after `grace_s`."""
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
 def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
     """The launched process, its descendants and the rest of its process group."""
     found: dict[int, psutil.Process] = {}
@@ -257,25 +279,15 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
         found[root.pid] = root
         for p in root.children(recursive=True):
             found[p.pid] = p
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-            if p.pid not in found and p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid:
-                found[p.pid] = p
+    for p in group_members(proc.pid):
+        found.setdefault(p.pid, p)
     return list(found.values())
 
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop the process and everything it started (the DeepSpeed runner does
     not pass a SIGTERM on to its ranks on one host): ask, then insist."""
-    tree = _tree(proc)
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    stop_processes(_tree(proc), STOP_GRACE_S)
     proc.wait()
 
 

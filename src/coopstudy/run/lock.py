@@ -22,7 +22,6 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import IO, Any
 
 from coopstudy import workspace
 from coopstudy.errors import RefusedError
+from coopstudy.run import launch
 
 STALE_STOP_GRACE_S = 10.0
 """How long a dead job's leftover processes get to stop after SIGTERM before SIGKILL."""
@@ -82,9 +82,10 @@ class Held:
             self.info["group"] = {"pgid": process_group, "started": started}
         elif run_id is None:
             self.info.pop("group", None)
-        self._write()
+        self.write()
 
-    def _write(self) -> None:
+    def write(self) -> None:
+        """Write the holder into every lock file it holds."""
         text = json.dumps(self.info)
         for fh in self._files:
             fh.seek(0)
@@ -113,29 +114,13 @@ def _group_members(group: dict[str, Any]) -> list[Any]:
             return []  # the pid was reused by an unrelated process
     except psutil.NoSuchProcess:
         pass
-    members = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-            if os.getpgid(proc.pid) == pgid and proc.pid != os.getpid():
-                members.append(proc)
-    return members
+    return launch.group_members(pgid)
 
 
 def _stop_leftovers(group: dict[str, Any]) -> list[int]:
     """Stop what the dead job launched; the pids that were still running."""
-    import psutil
-
     members = _group_members(group)
-    if not members:
-        return []
-    for p in members:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(members, timeout=STALE_STOP_GRACE_S)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=STALE_STOP_GRACE_S)
+    launch.stop_processes(members, STALE_STOP_GRACE_S)
     return sorted(p.pid for p in members)
 
 
@@ -213,11 +198,9 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
                 if not any(left == r for r in recovered):
                     _recover(device, host, left, holder)
                     recovered.append(left)
-            fh.seek(0)
-            fh.truncate()
-            fh.write(json.dumps(info))
-            fh.flush()
-        yield Held(held, info)
+        lock = Held(held, info)
+        lock.write()
+        yield lock
     finally:
         for fh in held:
             fh.truncate(0)
