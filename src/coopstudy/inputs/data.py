@@ -91,6 +91,17 @@ class Prepared:
     manifest: dict[str, Any]
 
 
+TRAINING_FILES = (TRAIN, SCHEDULE)
+"""The prepared files a training run reads."""
+EVALUATION_FILES = (TEST, RETENTION)
+"""The prepared files an evaluation reads."""
+
+
+def dataset_files(folder: Path, manifest: dict[str, Any], names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Prepared files as a run's dataset inputs: name -> (sha256, path)."""
+    return {n: (manifest["files"][n]["sha256"], str(folder / n)) for n in names}
+
+
 @dataclass(frozen=True)
 class Built:
     """Everything prepare writes, in memory, before it touches the disk."""

@@ -44,6 +44,7 @@ from coopstudy import ui, workspace
 from coopstudy.commit import require
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
+from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, objective, update
 from coopstudy.record import schema, writer
 from coopstudy.run import capacity, checkpoint, launch
@@ -107,6 +108,9 @@ def train(
 
         # Checked again in every process: a rank may run on another host.
         prepared, seed = require.seeded_inputs(cfg)
+        if rec is not None:
+            # What the run reads, as its dataset inputs (before the timed updates).
+            rec.log_inputs(data.dataset_files(prepared.folder, prepared.manifest, data.TRAINING_FILES), context="training")
         schedule = prepared.schedule if updates is None else prepared.schedule[:updates]
         documents = prepared.train
 

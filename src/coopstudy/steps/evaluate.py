@@ -63,7 +63,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             scoring.check_weights(path, name)
 
         files = prepared.manifest["files"]
-        read = {n: (files[n]["sha256"], str(prepared.folder / n)) for n in (data.TEST, data.RETENTION)}
+        read = data.dataset_files(prepared.folder, prepared.manifest, data.EVALUATION_FILES)
         for name, (path, sha) in models.items():
             tokenizer = tokenizers[name]
             model = scoring.load_model(path, name, tokenizer)

@@ -67,9 +67,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         rec.set_tags({schema.TAG_INPUTS: digest, schema.TAG_INPUTS_KEY: key})
 
         m = built.manifest
-        files = m["files"]
-        rec.log_inputs({n: (files[n]["sha256"], str(folder / n)) for n in (data.TRAIN, data.SCHEDULE)}, context="training")
-        rec.log_inputs({n: (files[n]["sha256"], str(folder / n)) for n in (data.TEST, data.RETENTION)}, context="evaluation")
+        rec.log_inputs(data.dataset_files(folder, m, data.TRAINING_FILES), context="training")
+        rec.log_inputs(data.dataset_files(folder, m, data.EVALUATION_FILES), context="evaluation")
         rec.log_artifact(folder / data.MANIFEST)
         rec.log_metrics(
             {

@@ -12,7 +12,6 @@ from pathlib import Path
 from coopstudy.commit import require
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
-from coopstudy.inputs import data
 from coopstudy.record import schema, store, writer
 from coopstudy.run import launch, lock
 
@@ -182,10 +181,6 @@ def train_arm(
     """Launch the arm's processes into run `rec`, time them from outside, and
     confirm they left a verified checkpoint."""
     workers = getattr(cfg.arms, arm).workers
-    # What the arm trains on, as the run's dataset inputs (prerequisites re-hashed it).
-    prepared = require.inputs(cfg)
-    files = prepared.manifest["files"]
-    rec.log_inputs({n: (files[n]["sha256"], str(prepared.folder / n)) for n in (data.TRAIN, data.SCHEDULE)}, context="training")
     if nodes is not None:
         cmd = launch.command(
             cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
