@@ -60,20 +60,6 @@ maximum: the records in between go straight to the file and cost the loop nothin
 _checked: dict[tuple[str, str], str] = {}
 
 
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
 def is_outage(err: BaseException) -> bool:
     """True when the server could not be reached or did not answer in time (the request may be
     repeated later); False for an answer that refused the request (it would be refused again)."""
@@ -141,7 +127,7 @@ def preflight(uri: str, experiment: str) -> str:
         return _checked[key]
     from mlflow import MlflowClient
 
-    with _environment(PREFLIGHT_HTTP):
+    with store.environment(PREFLIGHT_HTTP):
         client = MlflowClient(tracking_uri=uri)
         try:
             exp = client.get_experiment_by_name(experiment)

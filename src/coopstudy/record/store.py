@@ -13,12 +13,14 @@ records in the same store.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,21 @@ def use_http_defaults() -> None:
         os.environ.setdefault(name, value)
     # urllib3 logs every retry of every call; an outage is said once, by the outbox.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """These environment variables while inside; as they were after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def remote_file() -> Path:
@@ -229,15 +246,8 @@ def download_artifact(run_id: str, artifact_path: str, dst: str | Path | None = 
     from mlflow.artifacts import download_artifacts
 
     dst = dst or tempfile.mkdtemp(prefix="coopstudy-")
-    before = os.environ.get(PROGRESS_BAR_VARIABLE)
-    os.environ[PROGRESS_BAR_VARIABLE] = "false"
-    try:
+    with environment({PROGRESS_BAR_VARIABLE: "false"}):
         return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=tracking_uri()))
-    finally:
-        if before is None:
-            os.environ.pop(PROGRESS_BAR_VARIABLE, None)
-        else:
-            os.environ[PROGRESS_BAR_VARIABLE] = before
 
 
 def artifact_json(run_id: str, artifact_path: str) -> Any:
