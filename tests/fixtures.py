@@ -83,6 +83,8 @@ class Store:
 @contextlib.contextmanager
 def module_store(tmp_path_factory: pytest.TempPathFactory, source: Store, name: str) -> Iterator[Store]:
     """A copy of `source` that every test of a module shares, in use for the module's duration."""
+    # An earlier module's in-process stage left MLflow's global URI on its own store.
+    mlflow.set_tracking_uri(None)
     with pytest.MonkeyPatch.context() as mp:
         yield source.copy(tmp_path_factory.mktemp(name)).use(mp)
 

@@ -32,7 +32,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
                  "compressed arm by rank", "fraction of the fp32 peak", "matmul peak"):  # fmt: skip
         assert text in done.stdout, text
 
-    (parent,) = _runs(f"attributes.run_name = 'bench-arms-tiny'")
+    (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
     assert parent.info.status == "FINISHED" and parent.data.tags[schema.TAG_STAGE] == schema.STAGE_BENCH
     m = parent.data.metrics
     for phase in ("dense", "compressed"):

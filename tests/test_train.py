@@ -45,7 +45,7 @@ def isolated_store(tmp_path_factory, probed_tiny_store):
 
 
 def _client() -> mlflow.MlflowClient:
-    return mlflow.MlflowClient()
+    return store.client()
 
 
 def _runs(filter_string: str) -> list:

@@ -92,12 +92,6 @@ def reason(err: BaseException) -> str:
     return type(err).__name__
 
 
-def _uri_origin() -> str:
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return "MLFLOW_TRACKING_URI"
-    return str(store.remote_file())
-
-
 def explain(err: BaseException, uri: str, experiment: str) -> str:
     """One line for a preflight failure: what is wrong and what to do."""
     from mlflow.exceptions import MlflowException
@@ -105,7 +99,7 @@ def explain(err: BaseException, uri: str, experiment: str) -> str:
     if is_outage(err):
         return (
             f"the tracking server {uri} does not answer ({reason(err)}); start it, or correct the URI "
-            f"(from {_uri_origin()}); nothing was run"
+            f"(from {store.origin(uri)}); nothing was run"
         )
     status = err.get_http_status_code() if isinstance(err, MlflowException) else None
     if status == 401:

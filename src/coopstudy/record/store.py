@@ -158,10 +158,23 @@ def _users_uri() -> str | None:
     return None if uri in _mlflow_defaults() else uri
 
 
+_ORIGIN: dict[str, str] = {}
+
+
+def origin(uri: str) -> str:
+    """Where the study's tracking URI `uri` came from, in words."""
+    return _ORIGIN.get(uri, "MLFLOW_TRACKING_URI")
+
+
 def tracking_uri() -> str:
     """The study's store (see the module's docstring for the order). For a
     server, this process and those it starts get short HTTP retries."""
-    uri = _users_uri() or _uri_from_file() or local_default()
+    users, named = _users_uri(), None
+    if users is None:
+        named = _uri_from_file()
+    uri = users or named or local_default()
+    # Said once, at the first resolution: the write-back below makes every later one the environment's.
+    _ORIGIN.setdefault(uri, "MLFLOW_TRACKING_URI" if users else str(remote_file()) if named else "the local default")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     if uri:
         parts = urlsplit(uri)
