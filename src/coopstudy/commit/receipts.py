@@ -21,14 +21,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coopstudy import workspace
 from coopstudy.commit import ledger, sources
 from coopstudy.config import Config
 from coopstudy.errors import RefusedError
-from coopstudy.numerics import gate
 from coopstudy.record import schema, store
+
+if TYPE_CHECKING:
+    from coopstudy.numerics import gate
 
 
 def setting_name(arm: str, microbatch: int, allocator: str) -> str:
@@ -238,6 +240,9 @@ def gate_receipt_digest(receipt: dict[str, Any]) -> str:
 
 
 def gate_receipt(result: gate.GateResult, cfg: Config) -> dict[str, Any]:
+    # Imported here: the gate needs torch, and every command that only checks receipts starts without it.
+    from coopstudy.numerics import gate
+
     sha, files = sources.numerical_sources_sha256()
     gate_cfg = gate.gate_config(cfg)
     return {
