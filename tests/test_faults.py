@@ -178,10 +178,6 @@ class Tampered:
     run: str
     """What to run (or do), as the line must say it."""
     env: dict[str, str] = field(default_factory=dict)
-    pending: str | None = None
-    """Set where the line names the thing but not yet what to run, the
-    missing part being in a file this test's owner does not own: the case
-    then ends xfail, after every other assertion has passed."""
     restore: Callable[[], None] | None = None
     """Puts back what the case changed outside its copy (a checkpoint: runs
     record it by absolute path, so every copy of a store names the same one)."""
@@ -247,7 +243,6 @@ def _plan(store: Store, tmp: Path) -> Tampered:
     return Tampered(
         (f"the plan file {path} was edited after it was committed",),
         "`python -m coopstudy plan",
-        pending="commit/require.py committed_plan: the refusal should say `write it again: python -m coopstudy plan --preset P`",
     )
 
 
@@ -267,7 +262,6 @@ def _checkpoint_after_select(store: Store, tmp: Path) -> Tampered:
     return Tampered(
         ("the control candidate selected at", f"the weights in {folder} hash to", "they changed after selection"),
         "artifact",
-        pending="commit/require.py selection: the refusal should say how to restore them (the train run's `checkpoint` artifact)",
         restore=_flip_shared(folder / workspace.WEIGHTS_FILE),
     )
 
@@ -386,10 +380,7 @@ def test_tampered_commitment_is_refused_naming_it(case, request, tmp_path):
     after = _snapshot(store)
     assert {k: after.get(k) for k in files} == files
     assert {k: v for k, v in _statuses(store).items() if k in statuses} == statuses
-    if done_by.run not in line:
-        if done_by.pending:
-            pytest.xfail(f"names the thing but not what to run; needs: {done_by.pending}")
-        raise AssertionError(f"{done_by.run!r} not in {line!r}")
+    assert done_by.run in line, line
 
 
 # --- 2. how a run ends -----------------------------------------------------
@@ -624,7 +615,6 @@ def test_disk_full_while_writing_prepared_inputs_keeps_nothing_half_written(tiny
     data.verify_folder(home / entry.details["folder"], entry.digest)
 
 
-@pytest.mark.xfail(reason="needs inputs/data.py write_prepared (or cli.main) to turn an OSError into a one-line UserError", strict=False)
 def test_disk_full_while_writing_prepared_inputs_is_one_line_exit_2(tiny_seed, monkeypatch, capsys):
     _full_disk_for_prepared_inputs(monkeypatch)
     assert cli.main(["prepare", "--preset", "tiny"]) == 2

@@ -15,6 +15,7 @@ module defines `HELP`, `add_arguments(parser)` and `main(args) -> int`.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -121,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"coopstudy {args.step}: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:
+        # A full disk is the machine's state, not a defect: one line. What was
+        # being written went to a temporary name and was never taken for valid.
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
+        return 2
 
 
 def entry() -> None:

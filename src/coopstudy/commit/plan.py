@@ -189,8 +189,3 @@ def hint(cfg: Config) -> str:
     if not receipts.receipt_hashes(cfg):
         steps = f"`python -m coopstudy probe --preset {cfg.preset}` and {steps}"
     return f"run {steps} first, with the same --set overrides"
-
-
-# --- budget and deadline -------------------------------------------------------
-
-

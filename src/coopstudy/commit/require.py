@@ -84,7 +84,11 @@ def committed_plan(cfg: Config) -> str:
         raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan`")
     old = json.loads(stored.read_text())
     if planning.digest(old) != entry.digest:
-        raise RefusedError(f"the plan file {stored} was edited after it was committed")
+        # The plan is derived: writing it again gives back the committed document, or commits a new one.
+        raise RefusedError(
+            f"the plan file {stored} was edited after it was committed; write it again: "
+            f"`python -m coopstudy plan --preset {cfg.preset}` (with the same --set overrides)"
+        )
     rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study --preset {cfg.preset}`)"
     # The cheap checks first, each naming the files that changed: every
     # source that decides a number (sources.deciding_sources) is bound.
@@ -149,7 +153,9 @@ def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Sel
         if actual != cand.sha256:
             raise RefusedError(
                 f"{what}: the weights in {cand.path} hash to {actual[:12]}, not the selected {cand.sha256[:12]}; "
-                "they changed after selection, refusing to score them"
+                f"they changed after selection, refusing to score them; restore {cand.path} from the "
+                f"`{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} "
+                f"(`mlflow artifacts download --run-id {cand.train_run_id} --artifact-path {schema.ART_CHECKPOINT}`)"
             )
         chosen[arm] = cand
     return candidates.Selection(chosen, entries[ARMS[0]].details["select_run_id"])

@@ -80,9 +80,6 @@ class GateFailed(UserError):
     """The batched update does not match the reference."""
 
 
-# --- sources and receipts ----------------------------------------------------
-
-
 # --- cases -------------------------------------------------------------------
 
 
