@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from coopstudy.commit import sources
+from coopstudy.commit import ledger, sources
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store
@@ -288,7 +288,7 @@ retention come from, how they were split, the overlap checks, the counts."""
 def _inputs(train_runs: dict[str, Any], experiment: str) -> dict[str, Any] | None:
     """The manifest sections of the prepare run that committed the inputs both
     train runs required, or None when the record does not hold it."""
-    shas = {run.data.tags.get(schema.TAG_REQUIRES_PREFIX + "inputs") for run in train_runs.values()}
+    shas = {run.data.tags.get(schema.TAG_REQUIRES_PREFIX + ledger.INPUTS) for run in train_runs.values()}
     if len(shas) != 1 or None in shas:
         return None
     sha = shas.pop()

@@ -28,7 +28,7 @@ SEED = "5e" * 32
 
 
 def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -> str:
-    devices = getattr(cfg.arms, arm).workers
+    devices = cfg.arm(arm).workers
     tags = {schema.TAG_CHECKPOINT_SHA: CANDIDATE[arm], schema.TAG_SEED_SHA: SEED, schema.TAG_REQUIRES_PREFIX + "inputs": INPUTS}
     tags |= {schema.TAG_PLAN: plan} if plan else {}
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags) as rec:

@@ -172,7 +172,7 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     lengths = [len(d.input_ids) for d in docs]
     padding = {
         (arm, sort, packed): batching.padding_efficiency(
-            lengths, schedule, getattr(cfg.arms, arm).workers, getattr(cfg.arms, arm).microbatch, sort=sort, packed=packed
+            lengths, schedule, cfg.arm(arm).workers, cfg.arm(arm).microbatch, sort=sort, packed=packed
         ).ratio
         for arm in ("control", "compressed")
         for sort in (True, False)
@@ -205,7 +205,7 @@ def bench_objective(cfg: Config, *, updates: int, source: str, console: Console)
     table.add_row("loss, max relative gap", f"{max(loss_gaps):.1e}")
     table.add_row("padding efficiency, measured (real / computed tokens)", f"{measured:.3f} ({real_tokens:,} / {computed_tokens:,})")
     for arm in ("control", "compressed"):
-        shape = getattr(cfg.arms, arm)
+        shape = cfg.arm(arm)
         table.add_row(
             f"padding efficiency, {arm} ({shape.workers} x mb {shape.microbatch})",
             f"packed {padding[(arm, True, True)]:.3f}; padded would be sorted {padding[(arm, True, False)]:.3f}"
@@ -322,7 +322,7 @@ def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tup
     from coopstudy.record import store
     from coopstudy.run import launch
 
-    workers = getattr(cfg.arms, arm).workers
+    workers = cfg.arm(arm).workers
     with writer.stage_run(schema.STAGE_BENCH, cfg, arm=arm, run_name=f"bench-arms-{arm}-{cfg.preset}", log_config=False) as rec:
         held.note(run_id=rec.run_id)
         cmd = launch.command(cfg, arm, rec.run_id, updates=updates, checkpoint=False)
@@ -393,7 +393,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
                                 for k in steps
                             ]
                         )
-                workers = getattr(cfg.arms, arm).workers
+                workers = cfg.arm(arm).workers
                 seconds = [per["update"][k] for k in range(1, updates + 1) if k in per["update"]]
                 executed = sum(flops[k][0] for k in range(1, updates + 1) if k in per["update"])
                 achieved = executed / sum(seconds) / workers / 1e9 if seconds else math.nan
@@ -453,7 +453,7 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
     add(table, "model", f"{shape.parameters / 1e6:,.1f} M parameters ({shape.matmul_parameters / 1e6:,.1f} M in every token's matmuls)")
     add(table, "training FLOPs, executed / nominal (6·N·T + attention)", f"{executed / 1e12:,.3f} / {nominal / 1e12:,.3f} TFLOP")
     for arm in results:
-        workers = getattr(cfg.arms, arm).workers
+        workers = cfg.arm(arm).workers
         rate = metrics[f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}{arm}"]
         add(table, f"{arm}: tokens/s (all {workers} device(s) / per device)", f"{rate:,.0f} / {rate / workers:,.0f}")
         final = results[arm]["metrics"]

@@ -20,7 +20,9 @@ PRESET_DIR = "configs"
 """Presets are `<project>/configs/<name>.yaml` (coopstudy.workspace.project_root)."""
 ARMS = ("control", "compressed")
 """The study's two arms, in the order they train and report."""
-Arm = Literal["control", "compressed"]
+Arm = Literal[ARMS]
+ALLOCATORS = ("default", "expandable")
+"""CUDA caching-allocator settings a probe can try (run/launch.set_allocator)."""
 TRAINING_ALLOCATOR = "expandable"
 """The allocator setting of both arms' full runs (the protocol's); probes try others."""
 
@@ -154,7 +156,7 @@ class EvaluateConfig(_Section):
 class ProbeCandidate(_Section):
     arm: Arm
     microbatch: int = PositiveInt
-    allocator: Literal["default", "expandable"] = "default"
+    allocator: Literal[ALLOCATORS] = "default"
     device_capacity_mb: int | None = Field(None, gt=0)
     """This candidate's device capacity; none: probe.device_capacity_mb."""
 

@@ -12,3 +12,14 @@ class ConfigError(UserError):
 
 class RefusedError(UserError):
     """A stage refused to run: a commitment it depends on is missing or changed."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def labelled(err: BaseException, where: str = "") -> str:
+    """`Type: [where: ]first line`: how a process's error is told on the run."""
+    message = (str(err).strip().splitlines() or [""])[0]
+    return ": ".join(part for part in (type(err).__name__, where, message) if part)

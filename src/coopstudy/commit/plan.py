@@ -51,7 +51,7 @@ def subject(cfg: Config) -> str:
 def arm_setting(cfg: Config, arm: str) -> tuple[int, str]:
     """(microbatch, allocator) the arm's full run uses: the preset's microbatch
     and the protocol's allocator."""
-    return getattr(cfg.arms, arm).microbatch, TRAINING_ALLOCATOR
+    return cfg.arm(arm).microbatch, TRAINING_ALLOCATOR
 
 
 def _arm_receipt(cfg: Config, arm: str, kept: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -99,7 +99,7 @@ def build(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> dic
         name, receipt = _arm_receipt(cfg, arm, kept)
         microbatch, allocator = arm_setting(cfg, arm)
         arms[arm] = {
-            "workers": getattr(cfg.arms, arm).workers,
+            "workers": cfg.arm(arm).workers,
             "microbatch": microbatch,
             "allocator": allocator,
             "receipt": name,

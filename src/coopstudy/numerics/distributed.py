@@ -4,7 +4,7 @@ A rank learns its place from the launcher's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT); without WORLD_SIZE > 1 the process is
 the single device of the control arm and no process group exists. The train
 loop sees a `DistContext`, a model from `wrap_model`, `no_sync`, the scalar
-reductions and `barrier`.
+reductions.
 
 PowerSGD (torch's `powerSGD_hook`) runs dense all-reduce while
 `state.iter < state.start_powerSGD_iter` and compresses after. `state.iter`
@@ -158,15 +158,6 @@ def session(cfg: Config) -> Iterator[DistContext]:
         yield ctx
     finally:
         shutdown()
-
-
-def barrier() -> None:
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
 
 
 # --- byte accounting ---------------------------------------------------------

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from coopstudy import workspace
+from coopstudy import errors, workspace
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store
 
@@ -109,7 +109,7 @@ def explain(err: BaseException, uri: str, experiment: str) -> str:
         )
     if status == 403:
         return f"the tracking server {uri} does not let this user write to experiment {experiment!r}; nothing was run"
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    first = errors.first_line(err)[:300]
     return f"the tracking server {uri} refused experiment {experiment!r}: {first}; nothing was run"
 
 

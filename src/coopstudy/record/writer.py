@@ -27,6 +27,8 @@ contradict, and MLflow refuses a param that changes."""
 _launcher = store.LAUNCHER
 # A run id a parent process hands to the processes it starts (ranks, probes).
 ENV_RUN_ID = "COOPSTUDY_RUN_ID"
+MAX_TAG_CHARS = 4000
+"""An error kept in a tag is cut here: the message's head says what happened, the artifacts keep the rest."""
 
 
 def dataset_digest(sha256: str) -> str:
@@ -267,7 +269,7 @@ def _end(rec: Recorder, status: str) -> bool:
 
 def _record_failure(rec: Recorder, err: BaseException) -> None:
     try:
-        rec.set_tags({schema.TAG_ERROR: str(err)[:4000] or type(err).__name__, schema.TAG_ERROR_KIND: type(err).__name__})
+        rec.set_tags({schema.TAG_ERROR: str(err)[:MAX_TAG_CHARS] or type(err).__name__, schema.TAG_ERROR_KIND: type(err).__name__})
         rec.log_text("".join(traceback.format_exception(err)), schema.ART_ERROR)
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
         pass

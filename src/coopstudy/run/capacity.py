@@ -31,6 +31,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from coopstudy import errors
 from coopstudy.record import schema, writer
 
 
@@ -52,10 +53,6 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
     return int(found.group(1)) / 1024 if found else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0]
 
 
 def outcome_of(err: BaseException | None) -> str:
@@ -138,7 +135,7 @@ class RankProbe:
         report = {
             "rank": self.rank,
             "outcome": outcome_of(err),
-            "error": f"{type(err).__name__}: {_first_line(err)}" if err is not None else None,
+            "error": errors.labelled(err) if err is not None else None,
             "update_seconds": self.update_seconds,
             "memory": self.memory(),
             "capacity_mb": self.capacity_mb,

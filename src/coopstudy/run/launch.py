@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,11 +103,16 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
         # Tells DeepSpeed (the launcher, and transformers' checks for it) what
         # it would otherwise detect with a warning in every process.
         env.setdefault("DS_ACCELERATOR", "cpu")
+    set_allocator(env, allocator)
+    return env
+
+
+def set_allocator(env: MutableMapping[str, str], allocator: str) -> None:
+    """CUDA's caching allocator as the setting names it (read at the first allocation)."""
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
     else:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    return env
 
 
 def encode_config(cfg: Config) -> str:
@@ -147,7 +152,7 @@ def command(
     """The arm's command line. With `nodes` (and a hostfile naming them, the
     master's address and port): node `node_rank` of a job started by hand
     on each host, without ssh."""
-    workers = getattr(cfg.arms, arm).workers
+    workers = cfg.arm(arm).workers
     # Everything a rank needs travels as arguments: DeepSpeed forwards only
     # some environment variables to a second host.
     worker_args = ["--arm", arm, "--run-id", run_id, "--config", encode_config(cfg), "--allocator", allocator]
@@ -320,7 +325,7 @@ def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nod
     found: set[str] = set()
     for arm in arms:
         multi = arm == "compressed"
-        found.update(local_devices(getattr(cfg.arms, arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
+        found.update(local_devices(cfg.arm(arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
     return sorted(found)
 
 

@@ -126,7 +126,7 @@ def _stop_leftovers(group: dict[str, Any]) -> list[int]:
 
 def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
     """End the dead job's runs that are still RUNNING: KILLED, with the reason."""
-    from coopstudy.record import schema, store
+    from coopstudy.record import schema, store, writer
 
     ended = []
     try:
@@ -138,7 +138,7 @@ def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
                 continue
             if run.info.status != "RUNNING":
                 continue
-            client.set_tag(run_id, schema.TAG_ERROR, reason[:4000])
+            client.set_tag(run_id, schema.TAG_ERROR, reason[: writer.MAX_TAG_CHARS])
             client.set_tag(run_id, schema.TAG_ERROR_KIND, "StaleLock")
             client.set_terminated(run_id, "KILLED")
             ended.append(run_id)

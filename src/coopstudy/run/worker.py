@@ -40,9 +40,9 @@ import traceback
 
 import torch
 
-from coopstudy import ui, workspace
+from coopstudy import errors, ui, workspace
 from coopstudy.commit import require
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, objective, update
@@ -98,7 +98,7 @@ def train(
         torch.set_num_interop_threads(cfg.train.threads_per_device)
     except RuntimeError:
         pass  # already set, or parallel work already started: keep it
-    shape = getattr(cfg.arms, arm)
+    shape = cfg.arm(arm)
     with distributed.session(cfg) as ctx:
         if ctx.world_size != shape.workers:
             raise UserError(f"arm {arm} has {shape.workers} workers but {ctx.world_size} processes were started")
@@ -179,10 +179,14 @@ def train(
                         )
                         advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
                         record_seconds = pending.write() if k < len(schedule) and pending.due() else 0.0
-        except BaseException:
+        except BaseException as err:
             # A failed run keeps what it measured; the failure matters more than its record.
             with contextlib.suppress(Exception):
                 pending.close()
+            # As on success (below), the DDP model goes before the process group;
+            # the failure's frames hold it too.
+            traceback.clear_frames(err.__traceback__)
+            net = counter = None
             raise
         # After the last update: outside the window.
         pending.close()
@@ -288,10 +292,9 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
 def _record_error(run_id: str, rank: int, err: BaseException) -> None:
     """Keep this process's error on the run; the stage's own error tag says
     what it saw from outside (exit codes), this says why."""
-    first_line = (str(err).strip().splitlines() or [""])[0]
     try:
         rec = writer.Recorder(run_id)
-        rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": f"{type(err).__name__}: {first_line}"[:4000]})
+        rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": errors.labelled(err)[: writer.MAX_TAG_CHARS]})
         rec.log_text("".join(traceback.format_exception(err)), f"{schema.ART_WORKER_ERROR_PREFIX}{rank}.txt")
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
         pass
@@ -315,7 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arm", choices=ARMS, required=True)
     parser.add_argument("--config", required=True, help="the resolved config (launch.encode_config)")
     parser.add_argument("--run-id", default=os.environ.get(writer.ENV_RUN_ID), help="the MLflow run this process writes to")
-    parser.add_argument("--allocator", choices=("default", "expandable"), default="expandable")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default=TRAINING_ALLOCATOR)
     parser.add_argument("--updates", type=_positive, default=None, help="stop after this many updates (probes)")
     parser.add_argument("--no-checkpoint", action="store_true", help="keep no final weights (probes)")
     parser.add_argument("--probe", action="store_true", help="report update seconds and memory to the run, whatever the outcome")
@@ -328,10 +331,7 @@ def main(args: argparse.Namespace) -> int:
     # The launcher's environment says the same on this host; a rank on a
     # second host gets only what DeepSpeed forwards, so the process sets it
     # itself, before CUDA's allocator reads it on the first allocation.
-    if args.allocator == "expandable":
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = launch.EXPANDABLE
-    else:
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    launch.set_allocator(os.environ, args.allocator)
     signal.signal(signal.SIGTERM, _on_sigterm)
     rank = int(os.environ.get("RANK", "0"))
     probing = capacity.RankProbe(args.run_id, rank, args.capacity_mb) if args.probe else None

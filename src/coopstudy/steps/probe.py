@@ -110,7 +110,7 @@ def _run_candidate(
     cfg: Config, cand: ProbeCandidate, cand_cfg: Config, req: dict[str, str], context: dict[str, Any], hostfile: Path | None, console: Console
 ) -> dict[str, Any]:
     name = receipts.setting_name(cand.arm, cand.microbatch, cand.allocator)
-    workers = getattr(cand_cfg.arms, cand.arm).workers
+    workers = cand_cfg.arm(cand.arm).workers
     # A candidate's own capacity (ProbeCandidate.device_capacity_mb, where the
     # config has it) stands in for a smaller device than the preset's.
     capacity = cand.device_capacity_mb or cfg.probe.device_capacity_mb
@@ -183,7 +183,7 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
                 arm, allocator, str(mb) if mb is not None else "[red]none[/red]",
                 f"{median:.3f}" if median is not None else "-",
                 ", ".join(map(str, cell["failed"])) or "-",
-                f"arms.{arm}.microbatch={getattr(cfg.arms, arm).microbatch}",
+                f"arms.{arm}.microbatch={cfg.arm(arm).microbatch}",
             )
     return table
 

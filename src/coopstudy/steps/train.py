@@ -9,6 +9,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from coopstudy import errors
 from coopstudy.commit import require
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
@@ -37,7 +38,9 @@ Reads:  the committed plan (`plan`), and through it the gate receipt (`verify`),
 Writes: per arm, an MLflow run (stage {schema.STAGE_TRAIN!r}, tags {schema.TAG_ARM} and
         {schema.TAG_PLAN}, name train-<arm>-<preset>; children of a train-both-<preset> run with --arm both):
         per update {schema.M_LOSS}, {schema.M_GRAD_NORM}, {schema.M_LR}, {schema.M_UPDATE_SECONDS},
-        {schema.M_TOKENS}, {schema.M_BYTES}; per run {schema.M_ACTIVE_SECONDS}, {schema.M_COMPLETE_SECONDS},
+        {schema.M_TOKENS}, {schema.M_BYTES}, and where that update's seconds went:
+        {schema.M_FORWARD_BACKWARD_SECONDS}, {schema.M_COMM_SECONDS}, {schema.M_OPTIMIZER_SECONDS},
+        {schema.M_OTHER_SECONDS}, {schema.M_RECORD_SECONDS}; per run {schema.M_ACTIVE_SECONDS}, {schema.M_COMPLETE_SECONDS},
         {schema.M_CHECKPOINT_SECONDS}, {schema.M_DEVICE_SECONDS}, {schema.M_COST_USD} (spent), {schema.M_PROJECTED_COST_USD},
         {schema.M_PROJECTED_SECONDS}, {schema.M_SPENT_BEFORE_USD}, peak memory and
         bytes by phase; the final weights (safetensors + tokenizer, read back and
@@ -163,7 +166,7 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     return Nodes(count, args.node_rank, args.master_addr, args.master_port, hostfile, args.run_id)
 
 
-def _join_command(cfg: Config, args: argparse.Namespace, nodes: Nodes, run_id: str, rank: int) -> str:
+def _join_command(args: argparse.Namespace, nodes: Nodes, run_id: str, rank: int) -> str:
     words = ["python", "-m", "coopstudy", "train", "--preset", str(args.preset), "--arm", "compressed"]
     overrides = [o for item in getattr(args, "overrides", []) or [] for o in item.split()]
     if overrides:
@@ -180,7 +183,7 @@ def train_arm(
 ) -> None:
     """Launch the arm's processes into run `rec`, time them from outside, and
     confirm they left a verified checkpoint."""
-    workers = getattr(cfg.arms, arm).workers
+    workers = cfg.arm(arm).workers
     if nodes is not None:
         cmd = launch.command(
             cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
@@ -238,7 +241,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                     guard(rec, cfg, sha, arms)
                     if nodes is not None:
                         for k in range(1, nodes.count):
-                            print(f"train compressed: on node {k} run: {_join_command(cfg, args, nodes, rec.run_id, k)}", flush=True)
+                            print(f"train compressed: on node {k} run: {_join_command(args, nodes, rec.run_id, k)}", flush=True)
                     train_arm(rec, cfg, arms[0], args.hostfile, held, nodes)
             return 0
         with writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}") as parent:
@@ -315,10 +318,9 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
             raise  # the ranks recorded their own errors on the run
         # A refusal before any rank started: on the shared run, as its ranks'
         # errors would be, so node 0's failure names it.
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         with contextlib.suppress(Exception):
             writer.Recorder(run_id).set_tags(
-                {f"{schema.TAG_WORKER_ERROR_PREFIX}{r}": f"{type(err).__name__}: node {nodes.rank}: {first}"[:4000] for r in ranks}
+                {f"{schema.TAG_WORKER_ERROR_PREFIX}{r}": errors.labelled(err, f"node {nodes.rank}")[: writer.MAX_TAG_CHARS] for r in ranks}
             )
         raise
     print(f"train compressed: node {nodes.rank} finished; node 0 ends run {run_id}", flush=True)
