@@ -27,8 +27,10 @@ $(VENV)/.installed: pyproject.toml
 study: env
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/mlflow run . -e main --env-manager local -P preset=$(PRESET)
 
+# Two workers, a test file each (module fixtures stay in one process): the two
+# cores are independent, and most tests spend their time starting processes.
 test: env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The CUDA path on one GPU in under five minutes (scripts/gpu_check.py); without CUDA it says so and exits 0.
 gpu-check: env

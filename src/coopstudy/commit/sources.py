@@ -19,6 +19,7 @@ every stage after it refuses when one changed (`coopstudy.commit.require`,
 from __future__ import annotations
 
 import ast
+from importlib import metadata
 from pathlib import Path
 
 from coopstudy import workspace
@@ -103,10 +104,9 @@ def changed_sources(committed: dict[str, str]) -> list[str]:
 
 
 def library_versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
+    # From the installed distributions' metadata: importing them to ask would
+    # cost every refusal seconds (torch.__version__ is the same string).
+    return {name: metadata.version(name) for name in ("torch", "transformers")}
 
 
 def _imports(path: Path) -> set[str]:

@@ -62,6 +62,10 @@ class Exit:
 
 
 def cuda_available() -> bool:
+    # Without a GPU driver's device node there is no CUDA (or ROCm) device to
+    # find; asking torch would cost every command that takes the lock seconds.
+    if not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd")):
+        return False
     import torch
 
     return torch.cuda.is_available()
