@@ -2,7 +2,8 @@
 `mlflow run . -e train` on a fresh store runs the steps train needs first,
 `study` finishes the rest, a second `study` reuses every step, touching a
 numerical source reruns verify and what follows it, and `report` alone
-rebuilds the same report.json from the tracking store."""
+rebuilds the same report.json from the tracking store. Then the same study
+again from scratch, by `python -m coopstudy study`, agrees with it to the byte."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -68,18 +70,39 @@ def copy(tmp_path_factory, tiny_seed_home) -> Copy:
     return Copy(root, base)
 
 
+def _outcome(home: Path) -> dict:
+    """What a finished study left in its workspace that must not depend on the run."""
+    (report_file,) = (home / "reports").glob("*/report.json")
+    ledger = [json.loads(line) for line in (home / "ledger.jsonl").read_text().splitlines()]
+    (inputs,) = [e for e in ledger if e["kind"] == "inputs"]
+    (folder,) = (home / "prepared").iterdir()
+    return {
+        "inputs": inputs["digest"],
+        "manifest": json.loads((folder / "manifest.json").read_text()),
+        "seeds": sorted(p.name for p in (home / "seeds").iterdir()),
+        "report": json.loads(report_file.read_text()),
+    }
+
+
+@dataclass(frozen=True)
+class First:
+    train: subprocess.CompletedProcess
+    rest: subprocess.CompletedProcess
+    outcome: dict
+    """_outcome of the finished study, taken before any test changes it."""
+
+
 @pytest.fixture(scope="module")
-def first(copy):
+def first(copy) -> First:
     train = copy.run("mlflow", "run", ".", "-e", "train", "--env-manager", "local", "-P", "preset=tiny")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     rest = copy.coopstudy("study", "--preset", "tiny")
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
-    return train, rest
+    return First(train, rest, _outcome(Path(copy.env["COOPSTUDY_HOME"])))
 
 
 def test_train_entry_point_runs_what_train_needs_first(first, copy):
-    train, _ = first
-    out = train.stdout
+    out = first.train.stdout
     assert _steps(out, "running") == ["prepare", "verify", "probe", "plan", "train-control", "train-compressed"]
     arms = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train")}
     assert set(arms) == {"control", "compressed"}
@@ -87,7 +110,7 @@ def test_train_entry_point_runs_what_train_needs_first(first, copy):
 
 
 def test_study_finishes_with_the_remaining_steps(first, copy):
-    _, rest = first
+    rest = first.rest
     assert _steps(rest.stdout, "reused") == ["prepare", "verify", "probe", "plan", "train-control", "train-compressed"]
     assert _steps(rest.stdout, "running") == ["select", "evaluate", "report"]
     assert "quality:" in rest.stdout and "speed:" in rest.stdout
@@ -112,6 +135,56 @@ def test_report_alone_rebuilds_the_same_json(first, copy):
     [rebuilt] = folder.glob("*/report.json")
     assert rebuilt.read_bytes() == original
     assert json.loads(original)  # a real document, not an empty file
+
+
+TIMED = ("active_speedup", "complete_speedup")
+"""Screens whose estimate is a ratio of seconds."""
+
+
+def _without_runs(value):
+    """The value with every run id left out: runs are named by the store, not by the study."""
+    if isinstance(value, dict):
+        return {k: _without_runs(v) for k, v in value.items() if k not in ("run_id", "run_ids", "prepare_run")}
+    if isinstance(value, list):
+        return [_without_runs(v) for v in value]
+    return value
+
+
+def test_a_study_from_scratch_agrees_to_the_byte(first, tmp_path):
+    # Reproducible on CPU: a fresh COOPSTUDY_HOME and SQLite store, the seed
+    # made again, the steps started the other way (one command, not mlflow run).
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    env |= {"COOPSTUDY_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "study", "--preset", "tiny"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, two = first.outcome, _outcome(home)
+
+    assert one["seeds"] == two["seeds"]
+    assert one["inputs"] == two["inputs"]
+    assert one["manifest"] == two["manifest"]  # every prepared file's sha256, the seed's included
+    a, b = one["report"], two["report"]
+    assert a["candidates"] == b["candidates"], "the final weights of both arms hash the same"
+    assert a["inputs"]["sha256"] == b["inputs"]["sha256"] == one["inputs"]
+    screens_a = {s["name"]: s for s in a["screens"]}
+    screens_b = {s["name"]: s for s in b["screens"]}
+    assert screens_a.keys() == screens_b.keys()
+    for name in screens_a:
+        if name in TIMED:
+            # Timings excepted: the rule is the same, the seconds are the machine's.
+            keep = ("title", "threshold", "comparison", "decided_on", "unit")
+            assert {k: screens_a[name][k] for k in keep} == {k: screens_b[name][k] for k in keep}
+        else:
+            assert _without_runs(screens_a[name]) == _without_runs(screens_b[name]), name
+    assert a["verdicts"]["quality"] == b["verdicts"]["quality"]
+    for section in ("accuracy", "retention_nll", "inputs", "thresholds"):
+        assert _without_runs(a[section]) == _without_runs(b[section]), section
+    for arm in ("control", "compressed"):
+        for key in ("updates", "first_loss", "final_loss"):
+            assert a["training"][arm][key] == b["training"][arm][key], (arm, key)
+        for key in ("bytes_dense", "bytes_compressed", "bytes_total"):
+            assert a["resources"]["arms"][arm][key] == b["resources"]["arms"][arm][key], (arm, key)
 
 
 def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
