@@ -107,21 +107,3 @@ def test_two_projects_sharing_one_environment_keep_their_own_study_files(project
     for p in (project, other):
         ledger = (p.root / ".coopstudy" / "ledger.jsonl").read_text().splitlines()
         assert len(ledger) == 1 and (p.root / "mlflow.db").is_file()
-
-
-def test_train_through_mlflow_run_records_on_the_server_named_in_the_project(project, server):
-    (project.root / "mlruns_remote.txt").write_text(f"# the study's shared record\n{server.uri}\n")
-    project.mlflow_run("train", "-P", "preset=tiny", "-P", "arm=control")
-    runs = _runs(server.client(), "coopstudy")
-    stages = sorted(r.data.tags[schema.TAG_STAGE] for r in runs)
-    probes = ["probe"] * (1 + len(config.load("tiny").probe.candidates))
-    assert stages == sorted(["study", "prepare", "verify", *probes, "plan", "train"]), stages
-    assert all(r.info.status == "FINISHED" for r in runs if r.data.tags.get(schema.TAG_PROBE_OUTCOME) != "out_of_memory")
-    parent = next(r for r in runs if r.data.tags[schema.TAG_STAGE] == "study")
-    steps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert {r.data.tags[schema.TAG_STAGE] for r in steps} == {"prepare", "verify", "probe", "plan", "train"}
-    (train,) = [r for r in runs if r.data.tags[schema.TAG_STAGE] == "train"]
-    assert list(server.artifacts.rglob(f"{train.info.run_id}/artifacts/{schema.ART_CHECKPOINT}/model.safetensors"))
-    # The local store holds only the pointer `mlflow run` made, naming the study's run on the server.
-    local = [r for e in project.local.search_experiments() for r in project.local.search_runs([e.experiment_id])]
-    assert [(r.data.tags[schema.TAG_RECORD_URI], r.data.tags[schema.TAG_RECORD_RUN]) for r in local] == [(server.uri, parent.info.run_id)]

@@ -3,10 +3,12 @@ go through its proxy, the report reads it back alone, a dead server stops a
 stage before any work, and an outage during training loses nothing.
 
 One server (SQLite backend store, proxied artifacts in a temporary folder)
-serves the whole module; the tiny study runs against it once, through
-mlruns_remote.txt (here the file COOPSTUDY_REMOTE_FILE names, with
-MLFLOW_TRACKING_URI unset), and the other tests read what it left. The outage
-test stops and restarts that server, so it comes last.
+serves the whole module; the tiny study runs against it once, as the README
+says to: `mlflow run . -e main` in a fresh copy of the project whose
+mlruns_remote.txt names the server, with no MLflow variables set. The other
+tests read what it left (their commands name that file in
+COOPSTUDY_REMOTE_FILE). The outage test stops and restarts that server, so it
+comes last.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT
+from fixtures import ROOT, checkout_copy
 from mlflow.entities import ViewType
 
 from coopstudy import workspace
@@ -48,8 +50,16 @@ def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subproc
 
 @dataclass(frozen=True)
 class Study:
-    home: Path
-    remote_file: Path
+    project: Path
+    """The copy of the project the study ran in."""
+
+    @property
+    def home(self) -> Path:
+        return self.project / ".coopstudy"
+
+    @property
+    def remote_file(self) -> Path:
+        return self.project / store.REMOTE_FILE
 
     def env(self, **extra: str) -> dict[str, str]:
         return _remote_env(self.remote_file, self.home, **extra)
@@ -57,14 +67,16 @@ class Study:
 
 @pytest.fixture(scope="module")
 def study(server, tiny_seed_home, tmp_path_factory) -> Study:
-    base = tmp_path_factory.mktemp("remote-study")
-    remote_file = base / "mlruns_remote.txt"
-    remote_file.write_text(f"# the study's shared record\n{server.uri}\n")
-    home = base / "home"
-    shutil.copytree(tiny_seed_home, home)
-    done = _coopstudy("study", "--preset", "tiny", env=_remote_env(remote_file, home))
+    project = checkout_copy(tmp_path_factory.mktemp("remote-project"))
+    (project / store.REMOTE_FILE).write_text(f"# the study's shared record\n{server.uri}\n")
+    # A fresh clone makes the tiny seed in its first prepare; this copies it in.
+    shutil.copytree(tiny_seed_home, project / ".coopstudy")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "COOPSTUDY_HOME"}
+    env |= {"PYTHONPATH": f"{project / 'src'}{os.pathsep}{project}", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+    done = subprocess.run(["mlflow", "run", ".", "-e", "main", "--env-manager", "local", "-P", "preset=tiny"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
-    return Study(home, remote_file)
+    return Study(project)
 
 
 @pytest.fixture
@@ -105,6 +117,18 @@ def test_every_stage_logs_to_the_server_with_its_artifacts(server, study):
     assert len(_runs(client, f"tags.`{schema.TAG_STAGE}` = 'train'")) == 2
     stored = list(server.artifacts.rglob("model.safetensors"))
     assert len(stored) == 2, stored
+
+
+def test_mlflow_run_leaves_only_a_pointer_in_the_local_store(server, study):
+    runs = _runs(server.client())
+    (parent,) = [r for r in runs if r.data.tags[schema.TAG_STAGE] == "study"]
+    steps = {r.data.tags[schema.TAG_STAGE] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert steps == {"prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report"}, steps
+    # What `mlflow run` opened in its own default store names the study's run on the server, nothing more.
+    local = mlflow.MlflowClient(tracking_uri=f"sqlite:///{study.project / 'mlflow.db'}")
+    pointers = [r for e in local.search_experiments() for r in local.search_runs([e.experiment_id])]
+    assert [(r.data.tags[schema.TAG_RECORD_URI], r.data.tags[schema.TAG_RECORD_RUN]) for r in pointers] == [(server.uri, parent.info.run_id)]
+    assert pointers[0].info.status == "FINISHED" and not pointers[0].data.metrics
 
 
 def test_candidate_checkpoint_comes_back_from_the_server_as_committed(server, study, tmp_path, monkeypatch, http_defaults):
