@@ -22,7 +22,9 @@ from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store
 
-MODELS = ("seed", "control", "compressed")
+SEED = "seed"
+"""The model every arm starts from, scored beside the two candidates."""
+MODELS = (SEED, *ARMS)
 
 # Tidy column -> tracked metric name; the tables speak the analysis' names,
 # the store speaks tracking's.
@@ -171,7 +173,7 @@ def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
     expected = dict(candidates)
     seeds = {run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
     if len(seeds) == 1 and None not in seeds:
-        expected["seed"] = seeds.pop()
+        expected[SEED] = seeds.pop()
     for model, sha in expected.items():
         run = runs[evaluate_role(model)]
         scored = run.data.tags.get(schema.TAG_CHECKPOINT_SHA)

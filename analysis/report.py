@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import MODELS, Records
+from analysis.records import MODELS, Records, evaluate_role
 from coopstudy.config import ARMS, Config
 from coopstudy.record import store
 
@@ -75,7 +75,7 @@ def _accuracy(records: Records) -> dict[str, Any]:
     for model in MODELS:
         rows = table[table["model"] == model]
         out[model] = {
-            "run_id": records.runs[f"evaluate/{model}"],
+            "run_id": records.runs[evaluate_role(model)],
             "families": {
                 str(r.family): {"cases": int(r.cases), "correct": int(r.correct), "accuracy": float(r.accuracy)}
                 for r in rows.itertuples()
@@ -89,7 +89,7 @@ def _retention_nll(records: Records) -> dict[str, Any]:
     for model in MODELS:
         rows = records.retention[records.retention["model"] == model]
         out[model] = {
-            "run_id": records.runs[f"evaluate/{model}"],
+            "run_id": records.runs[evaluate_role(model)],
             "documents": int(len(rows)),
             "mean_over_documents": float(rows["mean_nll"].astype(float).mean()),
             "token_weighted": float(rows["nll_sum"].astype(float).sum() / rows["tokens"].astype(float).sum()),
@@ -270,7 +270,7 @@ def _title(report: dict[str, Any]) -> str:
 
 def _verdict_line(report: dict[str, Any]) -> str:
     v = report["verdicts"]
-    return " ".join([f"Quality verdict: {v['quality'].upper()}. Speed verdict: {v['speed'].upper()}.", *_unpowered(report)])
+    return " ".join([f"Quality verdict: {v[sc.QUALITY].upper()}. Speed verdict: {v[sc.SPEED].upper()}.", *_unpowered(report)])
 
 
 def _unpowered(report: dict[str, Any]) -> list[str]:
@@ -375,7 +375,7 @@ def figures(records: Records, report: dict[str, Any]) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     out: dict[str, str] = {}
-    arms = ("control", "compressed")
+    arms = ARMS
     updates = records.updates.sort_values(["arm", "update"])
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -448,7 +448,7 @@ _CSS = (
 def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
     v = report["verdicts"]
     verdicts = " ".join(
-        f'<span class="{v[g]}">{html.escape(g)}: {v[g].upper()}</span>' for g in ("quality", "speed")
+        f'<span class="{v[g]}">{html.escape(g)}: {v[g].upper()}</span>' for g in (sc.QUALITY, sc.SPEED)
     )
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_title(report))}</title>"
