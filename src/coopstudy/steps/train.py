@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,32 +234,37 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         if len(arms) == 1:
             # The arm's run is the stage's run: the lock and the prerequisites are
             # checked inside it, so a refusal stays on record as a FAILED attempt.
-            with _arm_run(cfg, arms[0]) as rec:
-                with lock.device_lock(devices, holder) as held:
-                    held.note(run_id=rec.run_id)
-                    sha, req = require.training(cfg)
-                    rec.set_tags(req)
-                    guard(rec, cfg, sha, arms)
-                    if nodes is not None:
-                        for k in range(1, nodes.count):
-                            print(f"train compressed: on node {k} run: {_join_command(args, nodes, rec.run_id, k)}", flush=True)
-                    train_arm(rec, cfg, arms[0], args.hostfile, held, nodes)
+            with _arm_run(cfg, arms[0]) as rec, _checked(rec, cfg, arms, devices, holder) as (held, _, _):
+                if nodes is not None:
+                    for k in range(1, nodes.count):
+                        print(f"train compressed: on node {k} run: {_join_command(args, nodes, rec.run_id, k)}", flush=True)
+                train_arm(rec, cfg, arms[0], args.hostfile, held, nodes)
             return 0
-        with writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}") as parent:
-            # One lock over both arms: no other job slips in between them.
-            with lock.device_lock(devices, holder) as held:
-                held.note(run_id=parent.run_id)
-                sha, req = require.training(cfg)
-                parent.set_tags(req)
-                # Both arms must fit before the first starts; each is checked
-                # again at its start, against what the first really spent.
-                guard(parent, cfg, sha, arms)
-                for arm in arms:
-                    with _arm_run(cfg, arm, req) as rec:
-                        held.note(run_id=rec.run_id)
-                        guard(rec, cfg, sha, (arm,))
-                        train_arm(rec, cfg, arm, args.hostfile, held)
+        # One lock over both arms: no other job slips in between them. Both arms
+        # must fit before the first starts; each is checked again at its start,
+        # against what the first really spent.
+        parent_run = writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}")
+        with parent_run as parent, _checked(parent, cfg, arms, devices, holder) as (held, sha, req):
+            for arm in arms:
+                with _arm_run(cfg, arm, req) as rec:
+                    held.note(run_id=rec.run_id)
+                    guard(rec, cfg, sha, (arm,))
+                    train_arm(rec, cfg, arm, args.hostfile, held)
     return 0
+
+
+@contextlib.contextmanager
+def _checked(
+    rec: writer.Recorder, cfg: Config, arms: tuple[str, ...], devices: list[str], holder: str
+) -> Iterator[tuple[lock.Held, str, dict[str, str]]]:
+    """The devices locked for `rec`, then the prerequisites and the budget of
+    `arms` checked and recorded on it: (the lock, the plan's sha256, the tags)."""
+    with lock.device_lock(devices, holder) as held:
+        held.note(run_id=rec.run_id)
+        sha, req = require.training(cfg)
+        rec.set_tags(req)
+        guard(rec, cfg, sha, arms)
+        yield held, sha, req
 
 
 def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int:
