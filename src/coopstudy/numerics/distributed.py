@@ -526,6 +526,16 @@ def no_sync(model: nn.Module) -> ContextManager:
 # --- scalar reductions -------------------------------------------------------
 
 
+def gather_floats(values: Sequence[float], ctx: DistContext) -> list[list[float]]:
+    """Every rank's `values` (the same count on each), by rank: one sum in
+    which each rank fills only its own slots."""
+    n = len(values)
+    slots = [0.0] * (n * ctx.world_size)
+    slots[ctx.rank * n : (ctx.rank + 1) * n] = values
+    gathered = all_reduce_sums(slots)
+    return [gathered[r * n : (r + 1) * n] for r in range(ctx.world_size)]
+
+
 def all_reduce_sums(values: Sequence[float], counter: ByteCounter | None = None) -> list[float]:
     """Sum each value over the workers, in one collective; identity with one worker."""
     if not dist.is_initialized():

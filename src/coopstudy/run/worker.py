@@ -227,32 +227,18 @@ def train(
 
 
 def _gather_peak_memory(ctx: distributed.DistContext) -> list[dict[str, float]]:
-    """Every rank's peak memory (the figure that decides whether a setting fits
-    a device), gathered by a sum where each rank fills only its own slots."""
-    mine = _peak_memory_mb(ctx.device)
-    slots = [0.0] * (len(mine) * ctx.world_size)
-    slots[ctx.rank * len(mine) : (ctx.rank + 1) * len(mine)] = mine
-    gathered = distributed.all_reduce_sums(slots)
+    """Every rank's peak memory (the figure that decides whether a setting fits a device)."""
     names = ("peak_rss_mb", "cuda_max_allocated_mb", "cuda_max_reserved_mb")
-    return [dict(zip(names, gathered[r * len(mine) : (r + 1) * len(mine)])) for r in range(ctx.world_size)]
-
-
-_TIME_PARTS = ("forward_backward", "communication", "optimizer", "other")
+    return [dict(zip(names, values)) for values in distributed.gather_floats(_peak_memory_mb(ctx.device), ctx)]
 
 
 def _gather_times(ctx: distributed.DistContext, times: list[update.UpdateTimes]) -> list[dict[str, list[float]]]:
-    """Every rank's per-update breakdown, gathered like the memory figures:
-    the faster rank's communication seconds hold its wait for the slower."""
-    mine = [getattr(t, part) for part in _TIME_PARTS for t in times]
-    slots = [0.0] * (len(mine) * ctx.world_size)
-    slots[ctx.rank * len(mine) : (ctx.rank + 1) * len(mine)] = mine
-    gathered = distributed.all_reduce_sums(slots)
+    """Every rank's per-update breakdown: the faster rank's communication
+    seconds hold its wait for the slower."""
+    parts = [f.name for f in dataclasses.fields(update.UpdateTimes)]
     n = len(times)
-    out = []
-    for r in range(ctx.world_size):
-        base = r * len(mine)
-        out.append({part: gathered[base + i * n : base + (i + 1) * n] for i, part in enumerate(_TIME_PARTS)})
-    return out
+    mine = [getattr(t, part) for part in parts for t in times]
+    return [{part: values[i * n : (i + 1) * n] for i, part in enumerate(parts)} for values in distributed.gather_floats(mine, ctx)]
 
 
 def _record_run(rec: writer.Recorder, summary: dict, counter: distributed.ByteCounter | None, saved: checkpoint.Saved | None, *, cuda: bool) -> None:
