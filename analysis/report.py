@@ -278,7 +278,7 @@ def _unpowered(report: dict[str, Any]) -> list[str]:
     return [
         f"Screen {i} ({s['title']}) passed without power: {s['power_note']}."
         for i, s in enumerate(report["screens"], start=1)
-        if s["verdict"] == "pass" and s.get("powered") is False
+        if s["unpowered_pass"]
     ]
 
 

@@ -75,9 +75,14 @@ class Screen:
         return "pass" if self.passed else "fail"
 
     @property
+    def unpowered_pass(self) -> bool:
+        """Passed without the power to mean it (see `power_note`)."""
+        return self.passed and self.powered is False
+
+    @property
     def verdict_reads(self) -> str:
         """The verdict as the report prints it: a PASS without power says so."""
-        if self.passed and self.powered is False:
+        if self.unpowered_pass:
             return f"PASS (no power: {self.power_note})"
         return self.verdict.upper()
 
@@ -86,6 +91,7 @@ class Screen:
         out["interval"] = list(self.interval) if self.interval is not None else None
         out["verdict"] = self.verdict
         out["verdict_reads"] = self.verdict_reads
+        out["unpowered_pass"] = self.unpowered_pass
         return out
 
 
