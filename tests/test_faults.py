@@ -618,8 +618,11 @@ def test_disk_full_while_writing_prepared_inputs_keeps_nothing_half_written(tiny
 def test_disk_full_while_writing_prepared_inputs_is_one_line_exit_2(tiny_seed, monkeypatch, capsys):
     _full_disk_for_prepared_inputs(monkeypatch)
     assert cli.main(["prepare", "--preset", "tiny"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("coopstudy prepare: error: ") and "No space left on device" in line
+    # Progress lines come before it (stderr is no terminal here); the error is the last, and alone.
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("coopstudy prepare: error: ") and "No space left on device" in line, err[-3000:]
+    assert err.count("error:") == 1 and "Traceback" not in err
 
 
 # --- 3. two jobs at once ---------------------------------------------------
