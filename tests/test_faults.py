@@ -392,6 +392,14 @@ def ends_store(planned_store, tmp_path_factory) -> Store:
     return planned_store.copy(tmp_path_factory.mktemp("faults-ends"))
 
 
+def _where(pid: int) -> str:
+    """Where a process and each of its threads wait, as the kernel says (for a stage that hangs)."""
+    proc = Path(f"/proc/{pid}")
+    status = {k: v.strip() for k, _, v in (line.partition(":") for line in (proc / "status").read_text().splitlines())}
+    threads = {t.name: (t / "wchan").read_text() for t in sorted((proc / "task").iterdir())}
+    return f"signals {({k: status.get(k) for k in ('SigPnd', 'ShdPnd', 'SigBlk', 'SigIgn', 'SigCgt')})}, threads waiting in {threads}"
+
+
 def _start_stage(store: Store, log: Path, *args: str, **env: str) -> subprocess.Popen:
     """A stage started as from a terminal: its own process group (a terminal's
     Ctrl-C reaches that group), its output in `log` (a pipe would fill up)."""
@@ -473,7 +481,10 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
             os.killpg(stage.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         else:
             stage.send_signal(signal.SIGTERM)  # what `kill PID` does
-        stage.wait(timeout=launch.STOP_GRACE_S + 60)
+        try:
+            stage.wait(timeout=launch.STOP_GRACE_S + 60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the stage outlived its stop: {_where(stage.pid)}\n{log.read_text()[-2000:]}") from None
         took = time.monotonic() - sent
         _, alive = psutil.wait_procs(ranks, timeout=1)
     finally:

@@ -136,4 +136,7 @@ def entry() -> None:
     # One device is `threads_per_device` cores; stages set torch's thread count
     # from the config, and this keeps library pools from oversubscribing first.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # MLflow 3 fetches a telemetry config and posts usage from a thread of every
+    # process; a study sends nothing anywhere but its own record unless asked to.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     sys.exit(main())
