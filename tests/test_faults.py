@@ -400,15 +400,24 @@ def _where(pid: int) -> str:
     return f"signals {({k: status.get(k) for k in ('SigPnd', 'ShdPnd', 'SigBlk', 'SigIgn', 'SigCgt')})}, threads waiting in {threads}"
 
 
+def _as_foreground() -> None:
+    # A suite started in the background (`make test &`, nohup) ignores SIGINT,
+    # and an ignored signal stays ignored across exec: Python then installs no
+    # KeyboardInterrupt, and the Ctrl-C this test sends would never arrive.
+    # A terminal's foreground job has the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_stage(store: Store, log: Path, *args: str, **env: str) -> subprocess.Popen:
     """A stage started as from a terminal: its own process group (a terminal's
-    Ctrl-C reaches that group), its output in `log` (a pipe would fill up)."""
+    Ctrl-C reaches that group), Ctrl-C not ignored, its output in `log` (a
+    pipe would fill up)."""
     out = open(log, "w")
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "coopstudy", *args],
             cwd=ROOT, env={**os.environ, **store.env(), **env}, stdout=out, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_as_foreground,
         )  # fmt: skip
     finally:
         out.close()

@@ -300,15 +300,6 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _wait(proc: subprocess.Popen) -> int:
-    """The process's exit code, polled: one blocking wait returns to Python
-    (where a Ctrl-C or SIGTERM handler runs) only when the system interrupts
-    that call, which it does not when it hands the signal to another thread."""
-    while True:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return proc.wait(timeout=1.0)
-
-
 def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None) -> Exit:
     """Start `cmd`, wait for it, and time it from the outside. `held` (a
     run.lock.Held) records the launch's process group while it runs."""
@@ -321,7 +312,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         try:
             if held is not None:
                 held.note(process_group=proc.pid)
-            returncode = _wait(proc)
+            returncode = proc.wait()
         except BaseException as err:
             # Interrupted or stopped ourselves: no rank may outlive the stage.
             _stop(proc)
