@@ -323,10 +323,11 @@ def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     for s in report["screens"]:
         assert s["sensitivity"]["note"]
-        assert s["verdict_reads"] == (f"PASS (no power: {s['power_note']})" if s["verdict"] == "pass" and s["powered"] is False else s["verdict"].upper())
+        assert s["unpowered_pass"] == (s["verdict"] == "pass" and s["powered"] is False)
+        assert s["verdict_reads"] == (f"PASS (no power: {s['power_note']})" if s["unpowered_pass"] else s["verdict"].upper())
     # Were non-inferiority's PASS one without power, every form of the report says so.
     noninf = next(s for s in report["screens"] if s["name"] == "noninferiority")
-    noninf |= {"powered": False, "power_note": "one discordant case each way fails it at n=128"}
+    noninf |= {"powered": False, "power_note": "one discordant case each way fails it at n=128", "unpowered_pass": noninf["verdict"] == "pass"}
     md, page = rep.to_markdown(report), rep.to_html(report, {})
     said = "Screen 3 (non-inferiority against the control) passed without power: one discordant case each way fails it at n=128."
     assert said in md and said in page
