@@ -35,7 +35,14 @@ UPDATE_METRICS = {
     "update_seconds": schema.M_UPDATE_SECONDS,
     "tokens": schema.M_TOKENS,
     "bytes": schema.M_BYTES,
+    "forward_backward_seconds": schema.M_FORWARD_BACKWARD_SECONDS,
+    "comm_seconds": schema.M_COMM_SECONDS,
+    "optimizer_seconds": schema.M_OPTIMIZER_SECONDS,
+    "other_seconds": schema.M_OTHER_SECONDS,
+    "record_seconds": schema.M_RECORD_SECONDS,
 }
+BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
+"""Where rank 0's seconds of an update went (update_seconds is the first four; recording is outside it)."""
 RUN_METRICS = {
     "active_seconds": schema.M_ACTIVE_SECONDS,
     "complete_seconds": schema.M_COMPLETE_SECONDS,
@@ -109,6 +116,16 @@ class Records:
     """What the prepare run that made the train runs' inputs says of them
     (INPUT_SECTIONS of its manifest, its run id and the inputs sha); None when
     the record holds no such run."""
+
+
+def phases(dense_updates: int, updates: int) -> dict[str, list[int]]:
+    """Updates 1..dense_updates are the dense phase, the rest the compressed one.
+
+    The control arm has no phases of its own; its same updates (the same
+    documents) are set beside the compressed arm's. An empty phase is left out.
+    """
+    spans = {"dense": range(1, min(dense_updates, updates) + 1), "compressed": range(dense_updates + 1, updates + 1)}
+    return {name: list(steps) for name, steps in spans.items() if len(steps)}
 
 
 def train_role(arm: str) -> str:

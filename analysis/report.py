@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import MODELS, Records, evaluate_role
+from analysis.records import BREAKDOWN, MODELS, Records, evaluate_role, phases
 from coopstudy.config import ARMS, Config
 from coopstudy.record import store
 
@@ -31,6 +31,11 @@ BYTES_NOTE = (
     "Bytes per worker are rank 0's collective payload, as the record's bytes/* metrics hold it; "
     "every rank of the gradient collectives moves a payload of the same size, so all workers together move "
     "the workers' count times it."
+)
+BREAKDOWN_NOTE = (
+    "Update = forward and backward + comm (the gradient comm hook, waits for the other worker included) "
+    "+ optimizer + other; record is the writing of the record inside the training window just before an "
+    "update, outside its seconds. Per-update figures are in the train runs' train/* metrics."
 )
 POWER_NOTE = (
     "Sensitivity says what each screen could detect at this size; a PASS without power "
@@ -67,6 +72,24 @@ def _training(records: Records) -> dict[str, Any]:
             "median_update_seconds": float(group["update_seconds"].median()),
         }
     return out
+
+
+def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:
+    """Per phase, each arm's median seconds per update and per part of it (rank 0's)."""
+    out: dict[str, Any] = {}
+    for phase, steps in phases(cfg.powersgd.dense_updates, cfg.train.updates).items():
+        rows = records.updates[records.updates["update"].isin(steps)]
+        out[phase] = {"updates": [steps[0], steps[-1]]}
+        for arm in ARMS:
+            group = rows[rows["arm"] == arm]
+            out[phase][arm] = {part: _median(group[part]) for part in ("update_seconds", *BREAKDOWN)}
+    return out
+
+
+def _median(values) -> float | None:
+    """None where the record has no value (runs from before the breakdown was recorded)."""
+    values = values.dropna()
+    return float(values.median()) if len(values) else None
 
 
 def _accuracy(records: Records) -> dict[str, Any]:
@@ -118,6 +141,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
             "resources": sc.resources(records.train, {arm: cfg.arm(arm).workers for arm in ARMS}),
             "inputs": records.inputs,
             "training": _training(records),
+            "breakdown": _breakdown(records, cfg),
             "accuracy": _accuracy(records),
             "retention_nll": _retention_nll(records),
         }
@@ -217,6 +241,20 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     ratio = report["resources"]["device_seconds_ratio"]
     rows.append(["device-seconds, compressed / control", "", "n/a" if ratio is None else f"{ratio:.3f}"])
     return ["figure (decides nothing)", "control", "compressed"], rows
+
+
+def breakdown_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Median seconds per update by part, each arm in each phase (the same updates in both arms)."""
+    phase_arms = [(phase, arm) for phase in report["breakdown"] for arm in ARMS]
+    headers = ["median s/update (rank 0)"] + [
+        f"{arm}, {phase} phase (updates {report['breakdown'][phase]['updates'][0]}-{report['breakdown'][phase]['updates'][1]})"
+        for phase, arm in phase_arms
+    ]
+    rows = [
+        [part.removesuffix("_seconds").replace("_", " "), *(_count(report["breakdown"][phase][arm][part], 3) for phase, arm in phase_arms)]
+        for part in ("update_seconds", *BREAKDOWN)
+    ]
+    return headers, rows
 
 
 def accuracy_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -341,6 +379,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         "## Beside the screens",
         _md_table(*resource_rows(report)),
         DEVICE_SECONDS_NOTE + " " + BYTES_NOTE + " " + NO_DENSE_ARM,
+        "## Where an update's seconds went",
+        _md_table(*breakdown_rows(report)),
+        BREAKDOWN_NOTE,
         "## Replay and retention probes",
         "\n".join(f"- {line}" for line in inputs_lines(report)),
         "## Accuracy per family",
@@ -395,6 +436,23 @@ def figures(records: Records, report: dict[str, Any]) -> dict[str, str]:
     ax.set(ylabel="seconds", title="Seconds per update")
     out["Update-seconds distributions"] = _png(fig)
     plt.close(fig)
+
+    parts = [p for p in BREAKDOWN if updates[p].notna().any()]
+    if parts:
+        fig, axes = plt.subplots(1, len(arms), figsize=(10, 3.5), sharey=True)
+        for ax, arm in zip(axes, arms):
+            rows = updates[updates["arm"] == arm]
+            bottom = [0.0] * len(rows)
+            for part in parts:
+                values = rows[part].fillna(0.0).tolist()
+                ax.bar(rows["update"], values, bottom=bottom, label=part.removesuffix("_seconds").replace("_", " "))
+                bottom = [b + v for b, v in zip(bottom, values)]
+            ax.set(xlabel="update", title=arm)
+        axes[0].set(ylabel="seconds (rank 0)")
+        axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.suptitle("Where each update's seconds went")
+        out["Time breakdown per update, each arm"] = _png(fig)
+        plt.close(fig)
 
     acc = sc.accuracy_by_family(records.cases)
     families = sorted(acc["family"].unique(), key=lambda f: (f == "all", f))
@@ -464,6 +522,9 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         "</ol><h2>Beside the screens</h2>",
         _html_table(*resource_rows(report)),
         f"<p>{html.escape(DEVICE_SECONDS_NOTE)} {html.escape(BYTES_NOTE)} {html.escape(NO_DENSE_ARM)}</p>",
+        "<h2>Where an update's seconds went</h2>",
+        _html_table(*breakdown_rows(report)),
+        f"<p>{html.escape(BREAKDOWN_NOTE)}</p>",
         "<h2>Replay and retention probes</h2><ul>",
         *(f"<li>{html.escape(line)}</li>" for line in inputs_lines(report)),
         "</ul>",

@@ -18,7 +18,7 @@ LAYERS = (
     ("coopstudy.run", "coopstudy.scoring"),
     ("analysis",),
     ("coopstudy.steps",),
-    ("coopstudy.study", "coopstudy.bench", "coopstudy.cli", "coopstudy.__main__"),
+    ("coopstudy.study", "coopstudy.bench", "coopstudy.devsplit", "coopstudy.cli", "coopstudy.__main__"),
 )
 
 

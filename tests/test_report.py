@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 
@@ -42,6 +43,11 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                     schema.M_UPDATE_SECONDS: active / cfg.train.updates * (1 + 0.1 * (update % 2)),
                     schema.M_TOKENS: 1000.0 + update,
                     schema.M_BYTES: 0.0 if arm == "control" else (40_000.0 if dense else 5_000.0),
+                    schema.M_FORWARD_BACKWARD_SECONDS: 0.5 + update,
+                    schema.M_COMM_SECONDS: 0.0 if arm == "control" else (0.2 if dense else 0.4),
+                    schema.M_OPTIMIZER_SECONDS: 0.1,
+                    schema.M_OTHER_SECONDS: 0.01,
+                    schema.M_RECORD_SECONDS: 0.0,
                 },
                 step=update,
             )
@@ -216,7 +222,16 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     # The cost figures sit beside; no dense-communication claim anywhere.
     md = (tmp_path / "a" / schema.ART_REPORT_MD).read_text()
     page = (tmp_path / "a" / schema.ART_REPORT_HTML).read_text()
-    assert page.count("data:image/png;base64,") == 5
+    assert page.count("data:image/png;base64,") == 6
+    # Where the seconds went, per phase and arm: medians of the per-update metrics.
+    dense, later = report["breakdown"]["dense"], report["breakdown"]["compressed"]
+    assert dense["updates"] == [1, tiny.powersgd.dense_updates] and later["updates"][1] == tiny.train.updates
+    steps = range(tiny.powersgd.dense_updates + 1, tiny.train.updates + 1)
+    assert later["compressed"]["forward_backward_seconds"] == pytest.approx(statistics.median(0.5 + k for k in steps))
+    assert later["compressed"]["comm_seconds"] == 0.4 and dense["compressed"]["comm_seconds"] == 0.2
+    assert dense["control"]["comm_seconds"] == 0.0
+    assert "## Where an update's seconds went" in md and "| forward backward |" in md
+    assert "Where an update's seconds went" in first_out
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)
     for body in (md, text, json.dumps(report), first_out):
         assert not re.search(r"reduc|saving|saved|less communication", body, re.I)

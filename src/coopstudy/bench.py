@@ -67,6 +67,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from analysis import records
 from coopstudy import scoring, ui
 from coopstudy.commit import require
 from coopstudy.config import ARMS, Config
@@ -358,8 +359,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
     try:
         peaks = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
         console.print("matmul peak before the arms: " + ", ".join(f"{n} {g:,.1f} GFLOP/s" for n, g in peaks.items()))
-        phases = {"dense": range(1, min(dense, updates) + 1), "compressed": range(dense + 1, updates + 1)}
-        phases = {name: list(steps) for name, steps in phases.items() if len(steps)}
+        phases = records.phases(dense, updates)
         flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
 
         results: dict[str, dict] = {}

@@ -7,6 +7,7 @@ it reads and writes), optionally `add_arguments(parser)`, and
 `--set` and `--dry-run` and hands it the loaded config.
 
 Then the tools: `bench` (benchmarks, which load a preset like a step),
+`dev-split` (families and learning rate measured on a development split),
 `remote` (the tracking server: check it, deliver what waited) and `worker`
 (one training process, started by `train` and `probe`, never by hand). A tool
 module defines `HELP`, `add_arguments(parser)` and `main(args) -> int`.
@@ -26,7 +27,7 @@ from coopstudy.errors import UserError
 
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
-TOOLS = {"bench": "coopstudy.bench", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
+TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 DEFAULT_PRESET = "smollm2-135m-cpu"
 
 

@@ -68,6 +68,9 @@ STAGE_STUDY = "study"
 with --through train), parent of the step runs it starts."""
 STAGE_BENCH = "bench"
 """The bench-objective-<preset> run of `python -m coopstudy bench objective`."""
+STAGE_DEV_SPLIT = "dev-split"
+"""The dev-split-<preset> run of `python -m coopstudy dev-split`: families and learning rate measured on a
+development split, outside any study."""
 
 # --- study: step reuse -------------------------------------------------------
 TAG_STEP_KEY = "coopstudy.step_key"
@@ -217,6 +220,14 @@ M_BENCH_PEAK_FRACTION_PREFIX = "bench/peak_fraction/"
 """+ arm, on the bench-arms parent run: achieved GFLOP/s per device / the matmul peak of train.precision."""
 ART_BENCH_ARMS_TABLE = "bench_arms.json"
 """On the bench-arms parent run: the printed tables, one row per quantity (MLflow table)."""
+# --- dev-split ----------------------------------------------------------------
+M_DEV_PREFIX = "dev/"
+"""+ model (seed, or lr_<rate>) + / + an evaluate metric (eval/accuracy, eval/accuracy/<family>,
+eval/retention_nll, ...), on the dev-split-<preset> run: that model scored on the development split; for a
+rate also + retention_bound and + gain, the retention and accuracy-gain screens against the seed there."""
+ART_DEV_SPLIT = "dev_split.json"
+"""On the dev-split-<preset> run: families, dev seed, updates, the seed's and each rate's accuracy per
+family, retention change and bound, and what the rule chose."""
 
 # --- train: per update (step = update number, from 1) -----------------------
 M_LOSS = "train/loss"

@@ -75,13 +75,16 @@ def _print(report: dict[str, Any], folder: Path) -> None:
         style = "green" if row[-1] == "PASS" else "red"
         table.add_row(*row[:-1], f"[{style}]{row[-1]}[/]")
     console.print(table)
-    headers, rows = rep.resource_rows(report)
-    beside = Table(title="Beside the screens")
-    for h in headers:
-        beside.add_column(h)
-    for row in rows:
-        beside.add_row(*row)
-    console.print(beside)
+    for title, (headers, rows) in (
+        ("Beside the screens", rep.resource_rows(report)),
+        ("Where an update's seconds went", rep.breakdown_rows(report)),
+    ):
+        beside = Table(title=title)
+        for h in headers:
+            beside.add_column(h, overflow="fold")
+        for row in rows:
+            beside.add_row(*row)
+        console.print(beside)
     v = report["verdicts"]
     console.print(f"quality: [bold]{v['quality'].upper()}[/]  speed: [bold]{v['speed'].upper()}[/]")
     console.print(f"report written to {folder}", soft_wrap=True)

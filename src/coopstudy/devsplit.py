@@ -1,0 +1,199 @@
+"""Choose families and the learning rate on a development split, never on the final test.
+
+    python -m coopstudy dev-split --preset smollm2-135m-cpu [--families F ...] [--lrs 5e-5 1e-4 ...]
+                                  [--dev-seed 5000000] [--updates N]
+
+The development split is the final test of another seed: the preset's data
+with data.families = --families and data.test_seed = --dev-seed, built as
+`prepare` builds it (inputs.data.build: the same training documents,
+schedule, replay and retention probes, questions seen in training dropped;
+tasks.check_seed_ranges refuses a seed whose range meets the training's).
+Nothing of the final test is read. The seed is scored on it
+(scoring.score_model: every family's accuracy, the retention NLL), then, for
+each learning rate, one control-arm training from the seed (one process,
+numerics.update.worker_update over the preset's schedule, train.updates
+updates, or --updates) is scored the same way. Beside each trained model,
+the study's own screens on the development split: accuracy gain over the
+seed and retention (analysis.screens, with the preset's thresholds).
+
+The rule it prints, and which the README's measurement followed: keep the
+families that the seed does not already solve (below 50%) and that training
+moves by more than 10 points at some candidate rate; take the largest rate
+whose retention bound stays below the threshold.
+
+Logs one run (stage dev-split) with each model's metrics and the table as
+dev_split.json. Training and scoring take minutes per rate on CPU: a job of
+its own, for a quiet machine, not for the test suite's presets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+from typing import Any
+
+from coopstudy import scoring, ui
+from coopstudy.config import Config
+from coopstudy.errors import UserError
+from coopstudy.inputs import data
+from coopstudy.inputs.seed import resolve_seed
+from coopstudy.record import schema, writer
+
+HELP = "choose families and the learning rate on a development split (never the final test)"
+DESCRIPTION = __doc__
+
+DEV_SEED = 5_000_000
+"""Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
+SOLVED = 0.5
+"""A family the seed already answers this often teaches the study nothing."""
+MOVED = 0.10
+"""What training must add to a family's accuracy at some rate for the family to be kept."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coopstudy.cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
+                        help="reasoning-gym families to try (default: the preset's data.families)")  # fmt: skip
+    parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+                        help="learning rates to train at (default: 0.5x, 1x, 2x and 4x the preset's train.lr)")  # fmt: skip
+    parser.add_argument("--dev-seed", type=int, default=DEV_SEED, help=f"test seed of the development split (default {DEV_SEED:,})")
+    parser.add_argument("--updates", type=int, default=None, help="updates of each training (default: train.updates)")
+
+
+def _dev_config(cfg: Config, families: list[str] | None, dev_seed: int) -> Config:
+    from coopstudy import config
+
+    raw = cfg.model_dump(mode="json")
+    raw["data"]["test_seed"] = dev_seed
+    if families:
+        raw["data"]["families"] = families
+    return config.from_dict(raw)
+
+
+def _train(cfg: Config, prepared: data.Prepared, seed_path, lr: float, updates: int) -> Any:
+    """The control arm's loop, in this process, from the seed: the trained LM."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from coopstudy.numerics import objective, update
+    from coopstudy.numerics.distributed import DistContext
+
+    torch.manual_seed(cfg.train.seed)
+    precision = objective.Precision.of(cfg.train.precision)
+    lm = precision.cast(AutoModelForCausalLM.from_pretrained(seed_path))
+    net = objective.WeightedNLL(lm)
+    train = cfg.train.model_copy(update={"lr": lr})
+    optimizer = update.build_optimizer(lm.parameters(), train)
+    scheduler = update.build_scheduler(optimizer, train.warmup_updates)
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+    with ui.progress(f"train lr {lr:g}", updates, unit="update") as advance:
+        for row in prepared.schedule[:updates]:
+            result = update.worker_update(
+                net, optimizer, scheduler, prepared.train, row, ctx,
+                microbatch=cfg.arms.control.microbatch, precision=precision, grad_clip=train.grad_clip,
+            )  # fmt: skip
+            advance(loss=f"{result.loss:.4f}")
+    return lm.float().eval()
+
+
+def _frames(scored: dict[str, scoring.Scored]):
+    import pandas as pd
+
+    cases = pd.DataFrame([c | {"model": m, "run_id": m} for m, s in scored.items() for c in s.cases])
+    retention = pd.DataFrame([r | {"model": m, "run_id": m} for m, s in scored.items() for r in s.retention])
+    return cases, retention
+
+
+def _screens(cfg: Config, seed: scoring.Scored, trained: scoring.Scored) -> tuple[Any, Any]:
+    """The study's gain and retention screens for a trained model against the seed."""
+    from analysis import screens as sc
+
+    # The screens read the candidate under the compressed arm's name.
+    cases, retention = _frames({"seed": seed, "compressed": trained})
+    return sc.accuracy_gain(cases, cfg.screens), sc.retention(retention, cfg.screens)
+
+
+def choose(families: list[str], seed_acc: dict[str, float], by_lr: dict[float, dict[str, Any]], threshold: float) -> dict[str, Any]:
+    """The README's rule over the measured accuracies and retention bounds."""
+    kept = [
+        f for f in families
+        if seed_acc[f] < SOLVED and any(r["accuracy"][f] - seed_acc[f] > MOVED for r in by_lr.values())
+    ]  # fmt: skip
+    safe = [lr for lr, r in by_lr.items() if r["retention_bound"] < threshold]
+    return {"families": kept, "lr": max(safe) if safe else None}
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    lrs = args.lrs or [cfg.train.lr * f for f in (0.5, 1.0, 2.0, 4.0)]
+    if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
+        raise UserError("--lrs: each learning rate must be a positive number")
+    dev = _dev_config(cfg, args.families, args.dev_seed)
+    updates = args.updates if args.updates is not None else dev.train.updates
+    if not 1 <= updates <= dev.train.updates:
+        raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")
+    families = list(dev.data.families)
+    console = ui.console(120)
+    with writer.stage_run(schema.STAGE_DEV_SPLIT, dev, run_name=f"dev-split-{cfg.preset}") as rec:
+        seed = resolve_seed(dev)
+        tokenizer = scoring.load_tokenizer(seed.path, "seed")
+        start = time.perf_counter()
+        built = data.build(dev, tokenizer, seed, ui.track)
+        folder, _ = data.write_prepared(built)
+        prepared = data.load_folder(folder, built.digest)
+        console.print(
+            f"development split: {len(prepared.test)} cases of {', '.join(families)} (test seed {args.dev_seed:,}); "
+            f"training {len(prepared.train)} documents, {updates} updates; {len(prepared.retention)} retention probes"
+        )
+        model = scoring.load_model(seed.path, "seed", tokenizer)
+        base = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, dev.evaluate, "seed")
+        del model
+        seed_acc = {f: base.metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families}
+        rec.log_metrics({f"{schema.M_DEV_PREFIX}seed/{k}": v for k, v in base.metrics.items()})
+
+        by_lr: dict[float, dict[str, Any]] = {}
+        for lr in lrs:
+            lm = _train(dev, prepared, seed.path, lr, updates)
+            trained = scoring.score_model(lm, tokenizer, prepared.test, prepared.retention, dev.evaluate, f"lr {lr:g}")
+            del lm
+            gc.collect()
+            gain, retention = _screens(dev, base, trained)
+            by_lr[lr] = {
+                "accuracy": {f: trained.metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families},
+                "accuracy_all": trained.metrics[schema.M_ACCURACY],
+                "gain": gain.estimate,
+                "retention_change": retention.estimate,
+                "retention_bound": retention.bound,
+            }
+            rec.log_metrics({f"{schema.M_DEV_PREFIX}lr_{lr:g}/{k}": v for k, v in trained.metrics.items()})
+            rec.log_metrics(
+                {f"{schema.M_DEV_PREFIX}lr_{lr:g}/retention_bound": retention.bound, f"{schema.M_DEV_PREFIX}lr_{lr:g}/gain": gain.estimate}
+            )
+        chosen = choose(families, seed_acc, by_lr, dev.screens.retention_max_nll_increase)
+
+        table = Table(title=f"development split, preset {cfg.preset}: accuracy per family")
+        for h in ("family", "seed", *(f"lr {lr:g}" for lr in lrs)):
+            table.add_column(h)
+        for f in families:
+            table.add_row(f, f"{seed_acc[f]:.1%}", *(f"{by_lr[lr]['accuracy'][f]:.1%}" for lr in lrs))
+        table.add_row("all", f"{base.metrics[schema.M_ACCURACY]:.1%}", *(f"{by_lr[lr]['accuracy_all']:.1%}" for lr in lrs))
+        table.add_row("retention change (nats)", "", *(f"{by_lr[lr]['retention_change']:+.4f}" for lr in lrs))
+        table.add_row("retention bound (nats)", "", *(f"{by_lr[lr]['retention_bound']:+.4f}" for lr in lrs))
+        console.print(table)
+        console.print(
+            f"rule: families the seed scores below {SOLVED:.0%} and some rate moves by more than {MOVED * 100:.0f} points: "
+            f"{', '.join(chosen['families']) or 'none'}; the largest rate whose retention bound is below "
+            f"{dev.screens.retention_max_nll_increase:+.2f} nats: {chosen['lr'] if chosen['lr'] is not None else 'none'}"
+        )
+        console.print(f"{time.perf_counter() - start:,.0f} s; run {rec.run_id}")
+        rec.log_table(
+            [{"families": families, "dev_seed": args.dev_seed, "updates": updates, "seed": seed_acc,
+              "by_lr": {f"{lr:g}": r for lr, r in by_lr.items()}, "chosen": chosen}],
+            schema.ART_DEV_SPLIT,
+        )  # fmt: skip
+    return 0

@@ -1,0 +1,64 @@
+"""`dev-split` on tiny: the seed and each rate scored on a split of its own
+seed, the study's screens beside, the rule's choice recorded; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from coopstudy import devsplit
+from coopstudy.record import schema, store
+
+
+def _dev_runs() -> list:
+    client = mlflow.MlflowClient(tracking_uri=store.tracking_uri())
+    exp = client.get_experiment_by_name("coopstudy")
+    return client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_DEV_SPLIT}'")
+
+
+def _questions(folder: Path) -> list[str]:
+    return [json.loads(line)["entry"]["question"] for line in (folder / "test.jsonl").read_text().splitlines()]
+
+
+def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prepared_tiny, cli):
+    final = {p.name for p in (prepared_tiny.home / "prepared").iterdir()}
+    done = cli("dev-split", "--preset", "tiny", "--families", "gcd", "chain_sum", "--lrs", "1e-3", "3e-2", "--updates", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for text in ("development split: ", "test seed 5,000,000", "retention bound (nats)", "rule: "):
+        assert text in done.stdout, text
+
+    (run,) = _dev_runs()
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    assert 0.0 <= m[f"{schema.M_DEV_PREFIX}seed/{schema.M_ACCURACY}"] <= 1.0
+    for lr in ("0.001", "0.03"):
+        assert f"{schema.M_DEV_PREFIX}lr_{lr}/{schema.M_ACCURACY_PREFIX}gcd" in m
+        assert f"{schema.M_DEV_PREFIX}lr_{lr}/retention_bound" in m
+    table = store.artifact_json(run.info.run_id, schema.ART_DEV_SPLIT)
+    (row,) = [dict(zip(table["columns"], values)) for values in table["data"]]
+    assert row["families"] == ["gcd", "chain_sum"] and row["dev_seed"] == devsplit.DEV_SEED and row["updates"] == 2
+    assert set(row["by_lr"]) == {"0.001", "0.03"} and set(row["seed"]) == {"gcd", "chain_sum"}
+    assert set(row["chosen"]["families"]) <= {"gcd", "chain_sum"} and row["chosen"]["lr"] in (None, 0.001, 0.03)
+
+    # The split is another seed's cases, not the final test's.
+    (dev,) = {p.name for p in (prepared_tiny.home / "prepared").iterdir()} - final
+    (final_folder,) = final
+    assert _questions(prepared_tiny.home / "prepared" / dev) != _questions(prepared_tiny.home / "prepared" / final_folder)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--lrs", "0"), "--lrs: each learning rate must be a positive number"),
+        (("--updates", "99"), "--updates: between 1 and train.updates (6), not 99"),
+        (("--families", "no_such_family", "--updates", "1"), "data.families: reasoning-gym cannot make 'no_such_family'"),
+    ],
+)
+def test_bad_dev_split_input_is_one_line(prepared_tiny, cli, args, message):
+    done = cli("dev-split", "--preset", "tiny", *args)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"coopstudy dev-split: error: {message}"), done.stderr
+    assert "Traceback" not in done.stderr
