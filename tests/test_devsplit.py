@@ -27,7 +27,7 @@ def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prep
     final = {p.name for p in (prepared_tiny.home / "prepared").iterdir()}
     done = cli("dev-split", "--preset", "tiny", "--families", "gcd", "chain_sum", "--lrs", "1e-3", "3e-2", "--updates", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    for text in ("development split: ", "test seed 5,000,000", "retention bound (nats)", "rule: "):
+    for text in ("development split: ", "test seed 5,000,000", "seed: accuracy ", "lr 0.03: accuracy ", "retention bound (nats)", "rule: "):
         assert text in done.stdout, text
 
     (run,) = _dev_runs()

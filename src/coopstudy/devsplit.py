@@ -154,6 +154,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         base = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, dev.evaluate, "seed")
         del model
         seed_acc = {f: base.metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families}
+        console.print(f"seed: accuracy {base.metrics[schema.M_ACCURACY]:.1%}")
         rec.log_metrics({f"{schema.M_DEV_PREFIX}seed/{k}": v for k, v in base.metrics.items()})
 
         by_lr: dict[float, dict[str, Any]] = {}
@@ -170,6 +171,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 "retention_change": retention.estimate,
                 "retention_bound": retention.bound,
             }
+            console.print(
+                f"lr {lr:g}: accuracy {trained.metrics[schema.M_ACCURACY]:.1%} (gain {gain.estimate * 100:+.1f} pts), "
+                f"retention change {retention.estimate:+.4f} nats, bound {retention.bound:+.4f}"
+            )
             rec.log_metrics({f"{schema.M_DEV_PREFIX}lr_{lr:g}/{k}": v for k, v in trained.metrics.items()})
             rec.log_metrics(
                 {f"{schema.M_DEV_PREFIX}lr_{lr:g}/retention_bound": retention.bound, f"{schema.M_DEV_PREFIX}lr_{lr:g}/gain": gain.estimate}
