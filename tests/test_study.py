@@ -260,6 +260,7 @@ PAGE_TIMEOUT_MS = 90_000
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
 def test_the_study_in_a_real_browser(first, copy, tmp_path):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     from playwright.sync_api import sync_playwright
 
     client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
@@ -298,8 +299,16 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
             loss = page.locator(f'a[href*="#/metric?"][href*="{urllib.parse.quote(schema.M_LOSS, safe="")}"]').first
             loss.wait_for()
             page.screenshot(path=str(SCREENSHOTS / "compare.png"), full_page=True)
-            loss.click()
-            page.wait_for_url("**/metric?**")
+            # The compare page re-renders as the metric histories arrive; a click
+            # on a link being replaced goes nowhere, so click again, as a user would.
+            for attempt in range(3):
+                loss.click()
+                try:
+                    page.wait_for_url("**/metric?**", timeout=PAGE_TIMEOUT_MS / 3)
+                    break
+                except PlaywrightTimeoutError:
+                    if attempt == 2:
+                        raise
             page.locator(".js-plotly-plot path.js-line").nth(1).wait_for(state="attached")
             page.screenshot(path=str(SCREENSHOTS / "train-loss.png"))
             browser.close()
