@@ -117,6 +117,10 @@ def _screens(cfg: Config, seed: scoring.Scored, trained: scoring.Scored) -> tupl
     return sc.accuracy_gain(cases, cfg.screens), sc.retention(retention, cfg.screens)
 
 
+def _per_family(metrics: dict[str, float], families: list[str]) -> dict[str, float]:
+    return {f: metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families}
+
+
 def choose(families: list[str], seed_acc: dict[str, float], by_lr: dict[float, dict[str, Any]], threshold: float) -> dict[str, Any]:
     """The README's rule over the measured accuracies and retention bounds."""
     kept = [
@@ -153,7 +157,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         model = scoring.load_model(seed.path, "seed", tokenizer)
         base = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, dev.evaluate, "seed")
         del model
-        seed_acc = {f: base.metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families}
+        seed_acc = _per_family(base.metrics, families)
         console.print(f"seed: accuracy {base.metrics[schema.M_ACCURACY]:.1%}")
         rec.log_metrics({f"{schema.M_DEV_PREFIX}seed/{k}": v for k, v in base.metrics.items()})
 
@@ -165,7 +169,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             gc.collect()
             gain, retention = _screens(dev, base, trained)
             by_lr[lr] = {
-                "accuracy": {f: trained.metrics.get(schema.M_ACCURACY_PREFIX + f, 0.0) for f in families},
+                "accuracy": _per_family(trained.metrics, families),
                 "accuracy_all": trained.metrics[schema.M_ACCURACY],
                 "gain": gain.estimate,
                 "retention_change": retention.estimate,
@@ -175,10 +179,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 f"lr {lr:g}: accuracy {trained.metrics[schema.M_ACCURACY]:.1%} (gain {gain.estimate * 100:+.1f} pts), "
                 f"retention change {retention.estimate:+.4f} nats, bound {retention.bound:+.4f}"
             )
-            rec.log_metrics({f"{schema.M_DEV_PREFIX}lr_{lr:g}/{k}": v for k, v in trained.metrics.items()})
-            rec.log_metrics(
-                {f"{schema.M_DEV_PREFIX}lr_{lr:g}/retention_bound": retention.bound, f"{schema.M_DEV_PREFIX}lr_{lr:g}/gain": gain.estimate}
-            )
+            screens = {"retention_bound": retention.bound, "gain": gain.estimate}
+            rec.log_metrics({f"{schema.M_DEV_PREFIX}lr_{lr:g}/{k}": v for k, v in (trained.metrics | screens).items()})
         chosen = choose(families, seed_acc, by_lr, dev.screens.retention_max_nll_increase)
 
         table = Table(title=f"development split, preset {cfg.preset}: accuracy per family")
