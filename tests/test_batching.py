@@ -1,4 +1,4 @@
-"""Batching: the contiguous split, shortest-first microbatches, packing, W_k."""
+"""Batching: the token-balanced split, shortest-first microbatches, packing, W_k."""
 
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ def doc(n: int, weight: float = 1.0) -> Doc:
     return Doc(tuple(range(1, n + 1)), (0.0,) + (weight,) * (n - 1))
 
 
-def test_split_is_contiguous_per_worker_and_recorded():
+def test_split_gives_every_worker_as_many_documents_and_tokens_as_even_as_they_can_be():
+    lengths = {7: 60, 3: 50, 9: 40, 1: 30, 4: 20, 8: 10}
     row = [7, 3, 9, 1, 4, 8]
-    assert batching.local_slice(row, 0, 2) == [7, 3, 9]
-    assert batching.local_slice(row, 1, 2) == [1, 4, 8]
-    assert batching.local_slice(row, 0, 1) == row
-    assert batching.assignment([row, row[::-1]], 2) == [[[7, 3, 9], [1, 4, 8]], [[8, 4, 1], [9, 3, 7]]]
+    # Contiguous slices would hold 150 and 60 tokens; these 110 and 100, each in schedule order.
+    assert batching.shares(row, lengths, 2) == [[7, 1, 4], [3, 9, 8]]
+    assert batching.shares(row, lengths, 1) == [row]
+    # The greedy fill alone leaves 23 and 18 tokens (10 7 6 | 9 8 1); swapping 10 and 8 evens it to 21 and 20.
+    assert batching.shares(list(range(6)), [10, 9, 8, 7, 6, 1], 2) == [[2, 3, 4], [0, 1, 5]]
+    # The record is every update's split.
+    assert batching.assignment([row, row[:2]], lengths, 2) == [[[7, 1, 4], [3, 9, 8]], [[7], [3]]]
     with pytest.raises(ValueError, match="does not split"):
-        batching.local_slice(row, 0, 4)
+        batching.shares(row, lengths, 4)
 
 
 def test_local_batch_is_sorted_shortest_first_and_the_last_microbatch_is_partial():
@@ -45,8 +49,9 @@ def test_plan_uses_only_this_workers_documents_but_the_global_weight():
     row = [0, 1, 2, 3]
     plan0 = batching.plan_update(docs, row, 0, 2, 1)
     plan1 = batching.plan_update(docs, row, 1, 2, 1)
-    assert plan0.local == [0, 1] and plan0.microbatches == [[0], [1]]
-    assert plan1.local == [2, 3] and plan1.microbatches == [[2], [3]]
+    # Shares of 11 and 10 tokens (9 + 2 | 4 + 6), each cut shortest first.
+    assert plan0.local == [1, 2] and plan0.microbatches == [[2], [1]]
+    assert plan1.local == [0, 3] and plan1.microbatches == [[0], [3]]
     expected = 3 * 8 + 8 * 1 + 1 * 8 + 5 * 1
     assert plan0.total_weight == plan1.total_weight == expected
 

@@ -8,7 +8,7 @@ import json
 import mlflow
 import pytest
 
-from coopstudy import cli, config
+from coopstudy import cli, config, ui
 from coopstudy.commit import ledger, require
 from coopstudy.errors import RefusedError
 from coopstudy.inputs import data
@@ -35,6 +35,11 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     # Where replay and retention come from, the split and the overlap checks are on record and printed.
     assert "replay 16 and retention 8 conversations from chitchat (chitchat-dataset 0.9.0" in prepared_tiny.printed.stdout
     assert "overlap with replay: 0" in prepared_tiny.printed.stdout
+    # Off a terminal, progress is a log line per twentieth of the work and one at the end, not one per item.
+    lines = [ln for ln in prepared_tiny.printed.stderr.splitlines() if ln.startswith("tokenizing tasks: ")]
+    total = cfg.data.tasks_per_family * len(cfg.data.families)
+    assert total > 2 * ui.LOG_LINES and len(lines) <= ui.LOG_LINES + 1
+    assert lines[-1].startswith(f"tokenizing tasks: {total}/{total} ")
 
     (entry,) = ledger.Ledger(prepared_tiny.home / "ledger.jsonl").entries()
     assert (entry.kind, entry.subject) == (ledger.INPUTS, data.inputs_key(cfg))

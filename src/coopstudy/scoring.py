@@ -3,7 +3,7 @@ own reasoning-gym verifier, and the retention probes' per-document NLL.
 
 Generation is batched: prompts sorted by length, left-padded, decoded with a
 KV cache, each sequence stopped at its end of turn. Run in fp32, it gives
-the same tokens as one prompt at a time (`python -m coopstudy.bench_generate`
+the same tokens as one prompt at a time (`python -m coopstudy bench generate`
 checks this and measures the speed-up).
 
 Answer extraction is the same for every family (see `extract_answer`); a case

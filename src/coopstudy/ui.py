@@ -1,7 +1,7 @@
 """What a person watching sees: one progress display and the console tables
 print to. At a terminal the display is a live bar, redrawn only when work
 advances (no display thread competes with training for the device's core);
-anywhere else (a file, a pipe, CI) it is one log line per advance."""
+anywhere else (a file, a pipe, CI) it is a log line per twentieth of the work."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from typing import Any, TypeVar
 from rich.console import Console
 
 T = TypeVar("T")
+LOG_LINES = 20
+"""Off a terminal: at most about this many lines per display, and one at the end."""
+LOG_EVERY_SECONDS = 30.0
+"""Off a terminal: the longest silence while work advances slowly."""
 Advance = Callable[..., None]
 """advance(n=1, **fields): n more items done; fields (loss=..., ...) are shown beside the count."""
 
@@ -37,11 +41,20 @@ def progress(label: str, total: int, *, enabled: bool = True, unit: str = "") ->
     started = time.perf_counter()
     done = 0
     if not sys.stderr.isatty():
+        # A log gets a line per twentieth of the work, and one at least every
+        # LOG_EVERY_SECONDS while it is slow, not one per item (320 tokenized
+        # tasks were 320 lines).
+        step = max(1, -(-total // LOG_LINES))
+        shown_at, shown_time = 0, started
 
         def line(n: int = 1, **fields: Any) -> None:
-            nonlocal done
+            nonlocal done, shown_at, shown_time
             done += n
-            eta = (time.perf_counter() - started) / done * (total - done)
+            now = time.perf_counter()
+            if done // step == shown_at // step and done < total and now - shown_time < LOG_EVERY_SECONDS:
+                return
+            shown_at, shown_time = done, now
+            eta = (now - started) / done * (total - done)
             extra = f" {_shown(fields)}" if fields else ""
             print(f"{label}: {unit}{' ' if unit else ''}{done}/{total}{extra} ETA {eta:.0f} s", file=sys.stderr, flush=True)
 

@@ -1,7 +1,7 @@
 """The equivalence gate: the batched DDP update against the per-document reference.
 
 Two real gloo ranks run the training update (`update.worker_update`:
-contiguous split, length-sorted packed microbatches with per-document
+token-balanced split, length-sorted packed microbatches with per-document
 positions and attention, no_sync accumulation, global normalization, DDP
 dense all-reduce through the timing comm hook, fused AdamW); one process runs
 the per-document reference (`update.reference_update`: each document alone,
@@ -9,8 +9,8 @@ the LM's own attention, torch's per-tensor AdamW) from the same initial
 weights. After each of two updates, every parameter, both AdamW moments, the
 loss and the gradient norm must agree within TOLERANCE.
 
-Cases: unequal lengths; unequal weights concentrated on one rank; the
-reversed assignment of documents to ranks; prompt masks (and a microbatch
+Cases: unequal lengths; unequal weights concentrated on one rank, then on
+the other; prompt masks (and a microbatch
 with no target at all); a partial final microbatch; a clip that binds; a
 non-zero weight given to documents' first tokens (never a target: it must
 count neither in the loss nor in W_k, and in a packed row it sits right after
@@ -118,13 +118,19 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
     unequal = tuple(task(p, a) for p, a in spread)
     two_batches_of_8 = (tuple(range(8)), tuple(range(8, 16)))
 
-    # Rank 0 holds the documents with many answer tokens (weight 8); rank 1
-    # holds replay documents with a few weight-1 tokens, or none at all.
-    heavy = [task(10, 20), task(5, 30), task(20, 15), task(8, 25), task(3, 40), task(12, 12), task(6, 18), task(15, 22)]
-    light = [doc((12, 0), (3, 1)), doc((30, 0)), doc((6, 0), (2, 1), (10, 0)), doc((20, 0), (1, 1)),
-             doc((9, 0), (2, 1)), doc((25, 0)), doc((4, 0), (1, 1), (7, 0)), doc((14, 0), (4, 1))]  # fmt: skip
-    concentrated = tuple(heavy + light)
-    heavy_first = ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    # One rank holds only documents with many answer tokens (weight 8), the
+    # other only replay documents with a few weight-1 tokens, or none at all.
+    # Which documents a rank holds is the split's choice (batching.shares, by
+    # length), so the weights are given after the split.
+    lengths = (30, 35, 35, 33, 43, 24, 24, 37, 15, 30, 18, 21, 11, 25, 12, 18)
+    mixed = ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+
+    def concentrated(rank: int) -> tuple[GateDoc, ...]:
+        held = {i for row in mixed for i in batching.shares(row, lengths, 2)[rank]}
+        return tuple(
+            task(n // 3, n - n // 3) if i in held else doc((n, 0)) if i % 3 == 1 else doc((n - 3, 0), (3, 1))
+            for i, n in enumerate(lengths)
+        )
 
     # Prompt segments inside replay documents, and lengths chosen so that the
     # sorted cut still pads a short document against a long one; one of rank
@@ -164,8 +170,8 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
 
     return [
         Case("unequal-lengths", unequal, two_batches_of_8, 2, grad_clip),
-        Case("weights-on-one-rank", concentrated, heavy_first, 2, grad_clip),
-        Case("reversed-assignment", concentrated, tuple(row[::-1] for row in heavy_first), 2, grad_clip),
+        Case("weights-on-one-rank", concentrated(0), mixed, 2, grad_clip),
+        Case("weights-on-the-other-rank", concentrated(1), mixed, 2, grad_clip),
         Case("prompt-and-padding-masks", masks, two_batches_of_8, 2, grad_clip),
         Case("partial-final-microbatch", partial, (tuple(range(10)), tuple(range(10, 20))), 2, grad_clip),
         # A clip that binds: the clipping path of both sides, whatever the preset says.

@@ -229,7 +229,7 @@ def worker_update(
     counter: ByteCounter | None = None,
 ) -> UpdateResult:
     """One update of this worker on `global_batch` (indices into `documents`,
-    the same in every arm): its contiguous share, sorted by length and cut
+    the same in every arm): its token-balanced share, sorted by length and cut
     into microbatches of `microbatch`, packed on its device, then run_update."""
     start = time.perf_counter()
     plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, microbatch)

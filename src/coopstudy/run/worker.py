@@ -209,7 +209,7 @@ def train(
                 "updates": len(schedule),
                 "phases": phases,
                 # Which documents each worker held for each update: the split is part of the record.
-                "assignment": batching.assignment(schedule, ctx.world_size),
+                "assignment": batching.assignment(schedule, [len(d.input_ids) for d in documents], ctx.world_size),
                 "active_seconds": last_end - first_start,
                 "memory_by_rank": memory,
                 # Every rank's per-update breakdown (rank 0's is also the per-update metrics).

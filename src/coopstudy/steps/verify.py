@@ -22,7 +22,7 @@ accumulation, DDP all-reduce, fused AdamW) and one process runs the
 per-document reference from the same start, in float64. After one and after
 two updates, every parameter, both AdamW moments, the loss and the gradient
 norm must agree within a relative error of 1e-09. Cases: unequal-lengths,
-weights-on-one-rank, reversed-assignment, prompt-and-padding-masks,
+weights-on-one-rank, weights-on-the-other-rank, prompt-and-padding-masks,
 partial-final-microbatch, clipped-gradient, nonzero-first-weight,
 adjacent-one-token-documents, one-document-microbatch.
 
