@@ -1,4 +1,4 @@
-"""Batching: the token-balanced split, shortest-first microbatches, packing, W_k."""
+"""Batching: the work-balanced split, shortest-first microbatches, packing, W_k."""
 
 from __future__ import annotations
 
@@ -20,18 +20,21 @@ def doc(n: int, weight: float = 1.0) -> Doc:
     return Doc(tuple(range(1, n + 1)), (0.0,) + (weight,) * (n - 1))
 
 
-def test_split_gives_every_worker_as_many_documents_and_tokens_as_even_as_they_can_be():
-    lengths = {7: 60, 3: 50, 9: 40, 1: 30, 4: 20, 8: 10}
+def test_split_balances_work_and_gives_every_worker_a_document():
+    work = {7: 60, 3: 50, 9: 40, 1: 30, 4: 20, 8: 10}
     row = [7, 3, 9, 1, 4, 8]
-    # Contiguous slices would hold 150 and 60 tokens; these 110 and 100, each in schedule order.
-    assert batching.shares(row, lengths, 2) == [[7, 1, 4], [3, 9, 8]]
-    assert batching.shares(row, lengths, 1) == [row]
-    # The greedy fill alone leaves 23 and 18 tokens (10 7 6 | 9 8 1); swapping 10 and 8 evens it to 21 and 20.
+    # Contiguous halves would hold 150 and 60; these 110 and 100, each in schedule order.
+    assert batching.shares(row, work, 2) == [[7, 1, 4], [3, 9, 8]]
+    assert batching.shares(row, work, 1) == [row]
+    # The greedy fill alone leaves 23 and 18 (10 7 6 | 9 8 1); swapping 10 and 8 evens it to 21 and 20.
     assert batching.shares(list(range(6)), [10, 9, 8, 7, 6, 1], 2) == [[2, 3, 4], [0, 1, 5]]
-    # The record is every update's split.
-    assert batching.assignment([row, row[:2]], lengths, 2) == [[[7, 1, 4], [3, 9, 8]], [[7], [3]]]
+    # Counts follow the work: one long document against seven short ones (contiguous: 130 and 40).
+    assert batching.shares(list(range(8)), [100] + [10] * 7, 2) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    # Every worker holds a document, however uneven.
+    assert batching.shares([0, 1, 2], [1000, 1, 1], 3) == [[0], [1], [2]]
+    assert batching.assignment([row, row[:2]], work, 2) == [[[7, 1, 4], [3, 9, 8]], [[7], [3]]]
     with pytest.raises(ValueError, match="does not split"):
-        batching.shares(row, lengths, 4)
+        batching.shares(row[:2], work, 3)
 
 
 def test_local_batch_is_sorted_shortest_first_and_the_last_microbatch_is_partial():

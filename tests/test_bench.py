@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coopstudy import bench, config
+from coopstudy.numerics import flops
 from coopstudy.record import schema, store
 
 
@@ -92,12 +93,13 @@ class Doc:
 
 
 def test_training_flops_count_every_token_the_output_layer_at_targets_and_attention_in_documents():
-    shape = bench.ModelShape(parameters=1000, matmul_parameters=600, output_parameters=300, layers=2, attention_width=8)
+    shape = flops.ModelShape(parameters=1000, matmul_parameters=600, output_parameters=300, layers=2, attention_width=8)
     docs = [Doc((1, 2, 3), (0.0, 0.0, 8.0)), Doc((4, 5), (0.0, 1.0))]
     executed, nominal = shape.training_flops(docs)
     attention = 6 * 2 * 8 * (3 * 4 + 2 * 3)
     assert executed == 6 * 600 * 5 + 6 * 300 * 2 + attention
     assert nominal == 6 * 1000 * 5 + attention
+    assert [shape.document_flops(d) for d in docs] == [6 * (600 * 3 + 300 + 2 * 8 * 12), 6 * (600 * 2 + 300 + 2 * 8 * 6)]
 
 
 def test_the_matmul_peak_is_measured_in_bounded_time():

@@ -74,7 +74,7 @@ from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import chat, tasks
 from coopstudy.inputs.seed import resolve_seed
-from coopstudy.numerics import batching, objective, update
+from coopstudy.numerics import batching, flops, objective, update
 from coopstudy.numerics.distributed import DistContext
 from coopstudy.record import schema, writer
 
@@ -267,53 +267,6 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, *, seconds: flo
     return best
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP count needs of the seed model."""
-
-    parameters: int
-    """Distinct parameters (tied embeddings once)."""
-    matmul_parameters: int
-    """Parameters of the matrices every token passes through (all but the embedding and the output layer)."""
-    output_parameters: int
-    """The output layer's (vocab x hidden), computed at target tokens only."""
-    layers: int
-    attention_width: int
-    """Query heads x head dimension."""
-
-    @classmethod
-    def of(cls, seed_path) -> "ModelShape":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(seed_path)
-        with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(config)
-        total = sum(p.numel() for p in lm.parameters())
-        embedding = lm.get_input_embeddings().weight.numel()
-        output = lm.get_output_embeddings().weight.numel()
-        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            parameters=total,
-            matmul_parameters=total - embedding - (0 if tied else output),
-            output_parameters=output,
-            layers=config.num_hidden_layers,
-            attention_width=config.num_attention_heads * head_dim,
-        )
-
-    def training_flops(self, documents: Sequence) -> tuple[float, float]:
-        """(executed, nominal) FLOPs of one training update on `documents`:
-        executed = 6·matmul parameters·tokens + 6·output layer·target tokens +
-        causal attention within each document, 6·layers·width·n(n+1) per
-        document of n tokens (QKᵀ and AV over the lower triangle, forward and
-        twice for the backward); nominal = 6·parameters·tokens + that attention."""
-        tokens = sum(len(d.input_ids) for d in documents)
-        targets = sum(sum(1 for w in d.weights[1:] if w > 0) for d in documents)
-        attention = sum(6 * self.layers * self.attention_width * len(d.input_ids) * (len(d.input_ids) + 1) for d in documents)
-        executed = 6 * self.matmul_parameters * tokens + 6 * self.output_parameters * targets + attention
-        return float(executed), float(6 * self.parameters * tokens + attention)
-
-
 def _history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
@@ -352,7 +305,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
     if not 1 <= updates <= cfg.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({cfg.train.updates}), not {updates}")
     prepared, seed = require.seeded_inputs(cfg)
-    shape = ModelShape.of(seed.path)
+    shape = flops.ModelShape.of(seed.path)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.train.threads_per_device)
@@ -360,7 +313,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
         peaks = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
         console.print("matmul peak before the arms: " + ", ".join(f"{n} {g:,.1f} GFLOP/s" for n, g in peaks.items()))
         phases = records.phases(dense, updates)
-        flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
+        update_flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
 
         results: dict[str, dict] = {}
         devices = launch.devices_of(cfg, arms, None)
@@ -395,7 +348,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
                         )
                 workers = cfg.arm(arm).workers
                 seconds = [per["update"][k] for k in range(1, updates + 1) if k in per["update"]]
-                executed = sum(flops[k][0] for k in range(1, updates + 1) if k in per["update"])
+                executed = sum(update_flops[k][0] for k in range(1, updates + 1) if k in per["update"])
                 achieved = executed / sum(seconds) / workers / 1e9 if seconds else math.nan
                 metrics[f"{schema.M_BENCH_ACHIEVED_PREFIX}{arm}"] = achieved
                 tokens = sum(per["tokens"].get(k, 0) for k in range(1, updates + 1) if k in per["update"])
@@ -407,7 +360,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
                     metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal_compressed[phase]
 
-            rows = _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, flops, updates)
+            rows = _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, update_flops, updates)
             parent.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
             parent.log_table(rows, schema.ART_BENCH_ARMS_TABLE)
         return metrics
@@ -415,7 +368,7 @@ def bench_arms(cfg: Config, *, updates: int | None, arms: tuple[str, ...], conso
         torch.set_num_threads(threads)
 
 
-def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, flops, updates) -> list[dict[str, str]]:
+def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, update_flops, updates) -> list[dict[str, str]]:
     rows: list[dict[str, str]] = []
 
     def add(table: Table, *cells: str) -> None:
@@ -448,8 +401,8 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
     table.add_column("value", justify="right")
     for name in peaks:
         add(table, f"{name} matmul peak, {torch.get_num_threads()} thread(s): before / after the arms", f"{peaks[name]:,.1f} / {after[name]:,.1f} GFLOP/s")
-    executed = sum(f[0] for f in flops.values())
-    nominal = sum(f[1] for f in flops.values())
+    executed = sum(f[0] for f in update_flops.values())
+    nominal = sum(f[1] for f in update_flops.values())
     add(table, "model", f"{shape.parameters / 1e6:,.1f} M parameters ({shape.matmul_parameters / 1e6:,.1f} M in every token's matmuls)")
     add(table, "training FLOPs, executed / nominal (6·N·T + attention)", f"{executed / 1e12:,.3f} / {nominal / 1e12:,.3f} TFLOP")
     for arm in results:

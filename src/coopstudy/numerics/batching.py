@@ -1,16 +1,17 @@
 """From the schedule to packed microbatches, the same way in both arms.
 
 The schedule fixes which documents form the global batch of update k. The
-split between workers balances tokens: every worker holds the same number of
-documents (L = global batch / workers) and the token counts are as even as
-`shares` can make them, because an update of a DDP arm lasts as long as its
-slowest worker (a contiguous slice left one worker 9% more tokens than the
-mean on the CPU preset's schedule, 34% at worst). The split is a pure function
-of (schedule, document lengths, workers) and `assignment` records it. Which
-worker holds a document changes no number that matters: every worker divides
-by the global batch's W_k and DDP sums. Within a local batch, documents are
-sorted by length, shortest first, and cut into microbatches of the arm's
-size; the last one may be partial.
+split between workers balances work: `shares` gives each worker at least one
+document and makes the workers' summed work (training passes each
+document's executed FLOPs, numerics.flops; tokens where no model is at hand)
+as even as it can, because an update of a DDP arm lasts as long as its
+slowest worker. Counts may differ: a rank with one document more computes
+the same as one with fewer, longer ones. The split is a pure function of
+(schedule, work, workers) and `assignment` records it. Which worker holds a
+document changes no number that matters: every worker divides by the global
+batch's W_k and DDP sums. Within a local batch, documents are sorted by
+length, shortest first, and cut into microbatches of the arm's size; the
+last one may be partial.
 
 A microbatch is *packed*: its documents are concatenated into one row (batch
 dimension 1) with no padding, so every computed token is a real token.
@@ -84,51 +85,66 @@ class PaddingEfficiency:
         return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
 
 
-def shares(global_batch: Sequence[int], lengths: Mapping[int, int] | Sequence[int], world_size: int) -> list[list[int]]:
-    """Every worker's local batch of one global batch: L documents each, in
-    schedule order, with token counts as even as a greedy fill and pairwise
-    swaps make them.
+def shares(global_batch: Sequence[int], work: Mapping[int, float] | Sequence[float], world_size: int) -> list[list[int]]:
+    """Every worker's local batch of one global batch, in schedule order, with
+    the work (`work[i]` of document i) as even as a greedy fill and local
+    moves make it; every worker holds at least one document.
 
-    Longest first, each document goes to the worker with the fewest tokens
-    that still has room (ties: the lower rank); then, while swapping one
-    document between two workers narrows their gap, the swap that narrows it
-    most is made (ties: the earliest pair in schedule order). Deterministic:
-    it reads only positions and lengths.
+    The largest documents first, one to each worker, then each to the worker
+    with the least work (ties: the lower rank); then, while moving one
+    document from the busiest of two workers to the other, or swapping one
+    for one, narrows their gap, the move that narrows it most is made (ties:
+    the earliest in schedule order). Deterministic: it reads only positions
+    and work, so every rank derives the same split.
     """
-    if len(global_batch) % world_size:
+    if len(global_batch) < world_size:
         raise ValueError(f"a global batch of {len(global_batch)} documents does not split over {world_size} workers")
-    size = len(global_batch) // world_size
-    n = [lengths[i] for i in global_batch]
+    w = [work[i] for i in global_batch]
     parts: list[list[int]] = [[] for _ in range(world_size)]
-    tokens = [0] * world_size
-    for j in sorted(range(len(global_batch)), key=lambda j: (-n[j], j)):
-        r = min((r for r in range(world_size) if len(parts[r]) < size), key=lambda r: (tokens[r], r))
+    load = [0.0] * world_size
+    for k, j in enumerate(sorted(range(len(global_batch)), key=lambda j: (-w[j], j))):
+        r = k if k < world_size else min(range(world_size), key=lambda r: (load[r], r))
         parts[r].append(j)
-        tokens[r] += n[j]
+        load[r] += w[j]
     improved = True
     while improved:
         improved = False
         for p in range(world_size):
-            for q in range(p + 1, world_size):
-                gap = tokens[p] - tokens[q]
-                best = None
+            for q in range(world_size):
+                gap = load[p] - load[q]
+                if gap <= 0:
+                    continue
+                best: tuple[float, int, int | None] | None = None
                 for a in sorted(parts[p]):
-                    for b in sorted(parts[q]):
-                        narrowed = abs(gap - 2 * (n[a] - n[b]))
-                        if narrowed < abs(gap) and (best is None or narrowed < best[0]):
+                    # Moving a alone (p keeps at least one), or swapping it for b.
+                    options = ([None] if len(parts[p]) > 1 else []) + sorted(parts[q])
+                    for b in options:
+                        narrowed = abs(gap - 2 * (w[a] - (0.0 if b is None else w[b])))
+                        if narrowed < gap and (best is None or narrowed < best[0]):
                             best = (narrowed, a, b)
-                if best:
+                if best is not None:
                     _, a, b = best
-                    parts[p][parts[p].index(a)], parts[q][parts[q].index(b)] = b, a
-                    tokens[p] += n[b] - n[a]
-                    tokens[q] += n[a] - n[b]
+                    parts[p].remove(a)
+                    parts[q].append(a)
+                    moved = w[a]
+                    if b is not None:
+                        parts[q].remove(b)
+                        parts[p].append(b)
+                        moved -= w[b]
+                    load[p] -= moved
+                    load[q] += moved
                     improved = True
     return [[global_batch[j] for j in sorted(part)] for part in parts]
 
 
-def assignment(schedule: Sequence[Sequence[int]], lengths: Mapping[int, int] | Sequence[int], world_size: int) -> list[list[list[int]]]:
+def token_work(documents: Sequence[DocumentLike]) -> list[int]:
+    """Work as tokens: the split's measure where no model shape is at hand."""
+    return [len(d.input_ids) for d in documents]
+
+
+def assignment(schedule: Sequence[Sequence[int]], work: Mapping[int, float] | Sequence[float], world_size: int) -> list[list[list[int]]]:
     """The recorded split: [update][worker] -> training indices."""
-    return [shares(row, lengths, world_size) for row in schedule]
+    return [shares(row, work, world_size) for row in schedule]
 
 
 def sort_and_cut(
@@ -169,9 +185,11 @@ def plan_update(
     rank: int,
     world_size: int,
     microbatch: int,
+    work: Mapping[int, float] | Sequence[float] | None = None,
 ) -> UpdatePlan:
+    """`work`: each document's cost to the split (tokens when None)."""
     lengths = {i: len(documents[i].input_ids) for i in global_batch}
-    local = shares(global_batch, lengths, world_size)[rank]
+    local = shares(global_batch, lengths if work is None else work, world_size)[rank]
     return UpdatePlan(
         local=local,
         microbatches=sort_and_cut(local, lengths, microbatch),

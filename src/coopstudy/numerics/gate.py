@@ -1,7 +1,7 @@
 """The equivalence gate: the batched DDP update against the per-document reference.
 
 Two real gloo ranks run the training update (`update.worker_update`:
-token-balanced split, length-sorted packed microbatches with per-document
+work-balanced split, length-sorted packed microbatches with per-document
 positions and attention, no_sync accumulation, global normalization, DDP
 dense all-reduce through the timing comm hook, fused AdamW); one process runs
 the per-document reference (`update.reference_update`: each document alone,
@@ -142,7 +142,8 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
         doc((44, 0), (2, 1)), doc((36, 0), (6, 8)), task(3, 2), doc((2, 0), (2, 1)),
     )  # fmt: skip
 
-    # Local batches of 5 in microbatches of 2: 2 + 2 + a partial 1.
+    # Microbatches of 2 over local batches of 6 and 4 (update 1) and of 5
+    # each (update 2: 2 + 2 + a partial 1).
     partial = tuple(task(rng.randrange(1, 40), rng.randrange(1, 6)) for _ in range(20))
 
     def given(first: float, *segments: tuple[int, float]) -> GateDoc:
@@ -159,8 +160,9 @@ def gate_cases(grad_clip: float | None = None) -> list[Case]:
                             (5.0, 25, 3, 8.0), (8.0, 7, 1, 1.0)]
     )  # fmt: skip
     # One-token documents (no target; some with a first weight) side by side,
-    # packed between longer ones: sorted, each rank's local batch of 6 is one
-    # row starting with its one-token documents.
+    # packed with longer ones: sorted, rank 0's first row is six of them
+    # (no target at all) and its second the longest document; rank 1's one
+    # row starts with two of them.
     one_token = tuple(
         [given(8.0), doc((1, 0)), given(1.0), task(5, 3), doc((1, 0)), task(12, 4)]
         + [given(5.0), given(8.0), task(3, 2), doc((1, 0)), doc((1, 0)), task(20, 6)]

@@ -227,12 +227,14 @@ def worker_update(
     precision: Precision,
     grad_clip: float | None = None,
     counter: ByteCounter | None = None,
+    work: Sequence[float] | None = None,
 ) -> UpdateResult:
     """One update of this worker on `global_batch` (indices into `documents`,
-    the same in every arm): its token-balanced share, sorted by length and cut
-    into microbatches of `microbatch`, packed on its device, then run_update."""
+    the same in every arm): its share (batching.shares, balancing `work`, each
+    document's cost; tokens when None), sorted by length and cut into
+    microbatches of `microbatch`, packed on its device, then run_update."""
     start = time.perf_counter()
-    plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, microbatch)
+    plan = batching.plan_update(documents, global_batch, ctx.rank, ctx.world_size, microbatch, work)
     microbatches = [
         batching.pack([documents[i] for i in mb], device=ctx.device, weight_dtype=precision.param_dtype) for mb in plan.microbatches
     ]

@@ -45,7 +45,7 @@ from coopstudy.commit import require
 from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data
-from coopstudy.numerics import batching, distributed, objective, update
+from coopstudy.numerics import batching, distributed, flops, objective, update
 from coopstudy.record import schema, writer
 from coopstudy.run import capacity, checkpoint, launch
 
@@ -125,6 +125,10 @@ def train(
         # DDP broadcasts rank 0's weights at construction, so every rank starts
         # from the same seed even if its own copy were different.
         net, counter = distributed.wrap_model(objective.WeightedNLL(lm), cfg, ctx)
+        # The split between workers balances each document's executed FLOPs:
+        # an update's forward and backward take time in proportion to them.
+        model_shape = flops.ModelShape.of(seed.path)
+        work = [model_shape.document_flops(d) for d in documents]
         if probing is not None:
             probing.watch(lm)
         optimizer = update.build_optimizer(lm.parameters(), cfg.train)
@@ -147,6 +151,7 @@ def train(
                     result = update.worker_update(
                         net, optimizer, scheduler, documents, global_batch, ctx,
                         microbatch=shape.microbatch, precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
+                        work=work,
                     )  # fmt: skip
                     # The update ends by reading the loss off the device (after the
                     # optimizer step in stream order), so the clock stops when the
@@ -209,7 +214,7 @@ def train(
                 "updates": len(schedule),
                 "phases": phases,
                 # Which documents each worker held for each update: the split is part of the record.
-                "assignment": batching.assignment(schedule, [len(d.input_ids) for d in documents], ctx.world_size),
+                "assignment": batching.assignment(schedule, work, ctx.world_size),
                 "active_seconds": last_end - first_start,
                 "memory_by_rank": memory,
                 # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
