@@ -90,7 +90,7 @@ def _train(cfg: Config, prepared: data.Prepared, seed_path, lr: float, updates: 
     optimizer = update.build_optimizer(lm.parameters(), train)
     scheduler = update.build_scheduler(optimizer, train.warmup_updates)
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
-    with ui.progress(f"train lr {lr:g}", updates, unit="update") as advance:
+    with ui.progress(f"train lr {lr:g}", updates, unit="update", each=True) as advance:
         for row in prepared.schedule[:updates]:
             result = update.worker_update(
                 net, optimizer, scheduler, prepared.train, row, ctx,

@@ -1,7 +1,8 @@
 """What a person watching sees: one progress display and the console tables
 print to. At a terminal the display is a live bar, redrawn only when work
 advances (no display thread competes with training for the device's core);
-anywhere else (a file, a pipe, CI) it is a log line per twentieth of the work."""
+anywhere else (a file, a pipe, CI) it is a log line per twentieth of the
+work (per training update: `each`)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ def _shown(fields: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def progress(label: str, total: int, *, enabled: bool = True, unit: str = "") -> Iterator[Advance]:
-    """A display of `total` items of work; yields the function that advances it."""
+def progress(label: str, total: int, *, enabled: bool = True, unit: str = "", each: bool = False) -> Iterator[Advance]:
+    """A display of `total` items of work; yields the function that advances it.
+
+    each=True logs every advance off a terminal: training updates are few,
+    each one a result a person (or a test) waits for."""
     if not enabled:
         yield lambda n=1, **fields: None
         return
@@ -44,7 +48,7 @@ def progress(label: str, total: int, *, enabled: bool = True, unit: str = "") ->
         # A log gets a line per twentieth of the work, and one at least every
         # LOG_EVERY_SECONDS while it is slow, not one per item (320 tokenized
         # tasks were 320 lines).
-        step = max(1, -(-total // LOG_LINES))
+        step = 1 if each else max(1, -(-total // LOG_LINES))
         shown_at, shown_time = 0, started
 
         def line(n: int = 1, **fields: Any) -> None:

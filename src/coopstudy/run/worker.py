@@ -142,7 +142,7 @@ def train(
         # Seconds of the write inside the window just before the next update.
         record_seconds = 0.0
         try:
-            with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update") as advance:
+            with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update", each=True) as advance:
                 for k, global_batch in enumerate(schedule, start=1):
                     start = time.perf_counter()
                     if k == 1:
