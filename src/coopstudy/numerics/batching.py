@@ -137,11 +137,6 @@ def shares(global_batch: Sequence[int], work: Mapping[int, float] | Sequence[flo
     return [[global_batch[j] for j in sorted(part)] for part in parts]
 
 
-def token_work(documents: Sequence[DocumentLike]) -> list[int]:
-    """Work as tokens: the split's measure where no model shape is at hand."""
-    return [len(d.input_ids) for d in documents]
-
-
 def assignment(schedule: Sequence[Sequence[int]], work: Mapping[int, float] | Sequence[float], world_size: int) -> list[list[list[int]]]:
     """The recorded split: [update][worker] -> training indices."""
     return [shares(row, work, world_size) for row in schedule]
