@@ -47,11 +47,15 @@ class ModelShape:
             attention_width=config.num_attention_heads * head_dim,
         )
 
+    def attention_flops(self, n: int) -> int:
+        """Causal attention within a document of n tokens, forward and backward."""
+        return 6 * self.layers * self.attention_width * n * (n + 1)
+
     def document_flops(self, document: DocumentLike) -> int:
         """Executed FLOPs of one document's forward and backward (see training_flops)."""
         n = len(document.input_ids)
         targets = sum(1 for w in document.weights[1:] if w > 0)
-        return 6 * (self.matmul_parameters * n + self.output_parameters * targets + self.layers * self.attention_width * n * (n + 1))
+        return 6 * (self.matmul_parameters * n + self.output_parameters * targets) + self.attention_flops(n)
 
     def training_flops(self, documents: Sequence[DocumentLike]) -> tuple[float, float]:
         """(executed, nominal) FLOPs of one training update on `documents`:
@@ -60,6 +64,6 @@ class ModelShape:
         document of n tokens (QKᵀ and AV over the lower triangle, forward and
         twice for the backward); nominal = 6·parameters·tokens + that attention."""
         tokens = sum(len(d.input_ids) for d in documents)
-        attention = sum(6 * self.layers * self.attention_width * len(d.input_ids) * (len(d.input_ids) + 1) for d in documents)
+        attention = sum(self.attention_flops(len(d.input_ids)) for d in documents)
         executed = sum(self.document_flops(d) for d in documents)
         return float(executed), float(6 * self.parameters * tokens + attention)
