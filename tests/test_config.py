@@ -102,3 +102,21 @@ def test_dry_run_prints_resolved_config(cli):
     res = cli("prepare", "--preset", "tiny", "--set", "train.lr=0.5", "--dry-run")
     assert res.returncode == 0, res.stderr
     assert "lr: 0.5" in res.stdout
+
+
+@pytest.mark.parametrize("native, resolved", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_resolves_on_load(monkeypatch, native, resolved):
+    monkeypatch.setattr(config, "native_bf16", lambda: native)
+    cfg = config.load("smollm2-135m-cpu")
+    assert cfg.train.precision == resolved
+    assert config.flatten(cfg)["train.precision"] == resolved
+    # The resolved config travels to workers as it is: loading it again keeps it.
+    assert config.from_dict(cfg.model_dump(mode="json")).train.precision == resolved
+
+
+def test_dry_run_prints_the_resolved_precision(cli):
+    res = cli("prepare", "--preset", "smollm2-135m-cpu", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    expected = "bf16" if config.native_bf16() else "fp32"
+    assert f"precision: {expected}" in res.stdout
+    assert "precision: auto" not in res.stdout
