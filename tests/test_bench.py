@@ -84,6 +84,7 @@ def test_bench_objective_computes_real_tokens_only(tiny_seed, capsys):
     assert result[schema.M_BENCH_LOSS_REL_GAP] < 1e-4
     out = capsys.readouterr().out
     assert "padding efficiency, measured (real / computed tokens)" in out and "1.000" in out
+    assert "M parameters, fp32, 1 thread(s)" in out
 
 
 @dataclass(frozen=True)
