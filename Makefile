@@ -29,8 +29,9 @@ study: env
 
 # Two workers, a test file each (module fixtures stay in one process): the two
 # cores are independent, and most tests spend their time starting processes.
+# The slowest thirty are listed at the end, for whoever shortens the suite.
 test: env
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
 # The CUDA path on one GPU in under five minutes (scripts/gpu_check.py); without CUDA it says so and exits 0.
 gpu-check: env
