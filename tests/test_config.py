@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coopstudy import config
+from coopstudy import config, machine
 from coopstudy.errors import ConfigError
 
 
@@ -106,7 +106,7 @@ def test_dry_run_prints_resolved_config(cli):
 
 @pytest.mark.parametrize("native, resolved", [(True, "bf16"), (False, "fp32")])
 def test_auto_precision_resolves_on_load(monkeypatch, native, resolved):
-    monkeypatch.setattr(config, "native_bf16", lambda: native)
+    monkeypatch.setattr(machine, "native_bf16", lambda: native)
     cfg = config.load("smollm2-135m-cpu")
     assert cfg.train.precision == resolved
     assert config.flatten(cfg)["train.precision"] == resolved
@@ -117,6 +117,6 @@ def test_auto_precision_resolves_on_load(monkeypatch, native, resolved):
 def test_dry_run_prints_the_resolved_precision(cli):
     res = cli("prepare", "--preset", "smollm2-135m-cpu", "--dry-run")
     assert res.returncode == 0, res.stderr
-    expected = "bf16" if config.native_bf16() else "fp32"
+    expected = "bf16" if machine.native_bf16() else "fp32"
     assert f"precision: {expected}" in res.stdout
     assert "precision: auto" not in res.stdout

@@ -11,7 +11,7 @@ from coopstudy.commit import sources
 ROOT = sources.PACKAGE.parents[1]
 # Lowest first. A module may import its own layer and any layer before it.
 LAYERS = (
-    ("coopstudy.errors", "coopstudy.workspace", "coopstudy.config", "coopstudy.ui"),
+    ("coopstudy.errors", "coopstudy.workspace", "coopstudy.machine", "coopstudy.config", "coopstudy.ui"),
     ("coopstudy.record",),
     ("coopstudy.numerics", "coopstudy.inputs"),
     ("coopstudy.commit",),

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from coopstudy import workspace
+from coopstudy import machine, workspace
 from coopstudy.errors import ConfigError
 
 PRESET_DIR = "configs"
@@ -127,7 +127,7 @@ class TrainConfig(_Section):
     precision: Literal["auto", "bf16", "fp32", "fp64"] = "bf16"
     """Autocast dtype of forward and backward; weights, gradients and optimizer
     state stay fp32 (fp64 under precision=fp64). auto: the protocol's bf16
-    where this machine computes it natively, else fp32 (`native_bf16`),
+    where this machine computes it natively, else fp32 (`machine.native_bf16`),
     resolved on load, so every run records the precision it trained in."""
     threads_per_device: int = Field(1, gt=0)
     """On CPU one device is this many cores (the study: one)."""
@@ -137,27 +137,8 @@ class TrainConfig(_Section):
     @classmethod
     def _resolve_precision(cls, value: Any) -> Any:
         if value == "auto":
-            return "bf16" if native_bf16() else "fp32"
+            return "bf16" if machine.native_bf16() else "fp32"
         return value
-
-
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-"""CPU flags (/proc/cpuinfo) of native bf16 matmuls. Without them bf16 is
-emulated: about 1 GFLOP/s against 60-100 in fp32 on the AVX2 EPYCs measured."""
-
-
-def native_bf16() -> bool:
-    """Whether this machine's training device computes bf16 natively: a CUDA
-    device that supports it, else a CPU with one of BF16_CPU_FLAGS."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in BF16_CPU_FLAGS)
 
 
 class PowerSGDConfig(_Section):

@@ -43,7 +43,7 @@ from typing import Any
 import psutil
 
 from coopstudy import config as config_mod
-from coopstudy import workspace
+from coopstudy import machine, workspace
 from coopstudy.config import TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
@@ -61,16 +61,6 @@ class Exit:
     workers: int
 
 
-def cuda_available() -> bool:
-    # Without a GPU driver's device node there is no CUDA (or ROCm) device to
-    # find; asking torch would cost every command that takes the lock seconds.
-    if not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd")):
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _visible_gpus() -> list[str]:
     """Physical GPU ids this job may use, in order."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
@@ -84,7 +74,7 @@ def _visible_gpus() -> list[str]:
 def local_devices(workers: int, *, hostfile: Path | None = None, nodes: int | None = None) -> list[str]:
     """The devices of this host that an arm of `workers` ranks occupies (what
     the device lock holds): on CPU, the host's cores as one 'cpu'."""
-    if not cuda_available():
+    if not machine.cuda_available():
         return ["cpu"]
     local = workers // nodes if nodes else 1 if hostfile is not None else workers
     return [f"cuda{d}" for d in _visible_gpus()[:local]]
@@ -103,7 +93,7 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     # quarter of its time (coopstudy.numerics.distributed, issue 14).
     env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     env[writer.ENV_RUN_ID] = run_id
-    if not cuda_available():
+    if not machine.cuda_available():
         # Tells DeepSpeed (the launcher, and transformers' checks for it) what
         # it would otherwise detect with a warning in every process.
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -185,7 +175,7 @@ def command(
         # One rank per host, as many hosts as workers, from the hostfile
         # (`host slots=1` lines); DeepSpeed reaches them with pdsh over ssh.
         launcher += ["--hostfile", str(hostfile), "--num_nodes", str(workers), "--num_gpus", "1"]
-    elif cuda_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+    elif machine.cuda_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
         # --num_gpus would make DeepSpeed drop CUDA_VISIBLE_DEVICES and take
         # GPUs 0..n-1; --include keeps the devices this job was given.
         launcher += ["--include", "localhost:" + ",".join(_visible_gpus()[:workers])]
