@@ -118,3 +118,36 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     assert model.name == "control" and model.params["weights_sha256"] == "cd" * 32
     (metric,) = model.metrics
     assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36])
+
+
+def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):
+    """Two prepares log the same files at once: MLflow looks for the experiment's
+    dataset row, then inserts it, so both may miss it and the second insert is
+    refused. Here the other run's insert lands between the two, every time."""
+    from mlflow.store.tracking.dbmodels.models import SqlDataset
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    cfg = config.load("tiny")
+    files = {"train.jsonl": ("ab" * 32, "/x/train.jsonl")}
+    with writer.stage_run(schema.STAGE_PREPARE, cfg) as other:
+        pass
+    raced: list[bool] = []
+
+    def other_run_first(session, _context, _instances):
+        if not raced and any(isinstance(obj, SqlDataset) for obj in session.new):
+            raced.append(True)
+            writer.Recorder(other.run_id).log_inputs(files)
+
+    event.listen(Session, "before_flush", other_run_first)
+    try:
+        with writer.stage_run(schema.STAGE_PREPARE, cfg) as rec:
+            rec.log_inputs(files)
+    finally:
+        event.remove(Session, "before_flush", other_run_first)
+    client = mlflow.MlflowClient()
+    assert raced
+    for run_id in (other.run_id, rec.run_id):
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["train.jsonl"]

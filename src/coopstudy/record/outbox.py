@@ -190,7 +190,7 @@ def apply(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
     elif op == "table":
         _apply_table(client, run_id, record)
     elif op == "inputs":
-        client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record["datasets"]])
+        _log_inputs(client, run_id, [_dataset_input(d) for d in record["datasets"]])
     elif op == "model":
         _apply_model(client, run_id, record)
     else:
@@ -210,6 +210,25 @@ def _apply_table(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
     entry = {"path": record["artifact_file"], "type": "table"}
     if entry not in logged:
         client.set_tag(run_id, LOGGED_ARTIFACTS_TAG, json.dumps([*logged, entry]))
+
+
+DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates unique constraint", "Duplicate entry")
+"""How SQLite, PostgreSQL and MySQL refuse a second row with the same unique key."""
+INPUTS_ATTEMPTS = 3
+
+
+def _log_inputs(client: Any, run_id: str, datasets: list[Any]) -> None:
+    # MLflow looks for an experiment's dataset row, then inserts it if missing: two
+    # runs logging the same file at once (two prepares) can both miss it, and the
+    # later insert is refused. Its transaction rolls back whole, and the next try
+    # finds the row the other run wrote.
+    for attempt in range(1, INPUTS_ATTEMPTS + 1):
+        try:
+            client.log_inputs(run_id, datasets=datasets)
+            return
+        except Exception as err:
+            if attempt == INPUTS_ATTEMPTS or not any(m in str(err) for m in DUPLICATE_ROW):
+                raise
 
 
 def _dataset_input(d: Mapping[str, Any]) -> Any:
