@@ -4,6 +4,7 @@ time breakdown."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from dataclasses import dataclass
@@ -205,3 +206,27 @@ def test_training_steps_with_fused_adamw_and_the_reference_with_the_per_tensor_l
     assert update.build_optimizer(params, cfg.train).defaults["fused"] is True
     plain = update.build_optimizer(params, cfg.train, implementation=update.PER_TENSOR).defaults
     assert not plain["fused"] and plain["foreach"] is False
+
+
+def _bf16_update(cfg, docs, microbatch: int) -> tuple[torch.nn.Module, int]:
+    """One bf16 update: the model after it, and the conversions of tensors of
+    the output layer's weight's shape (its casts to bf16, and its gradient's
+    to fp32 once per microbatch's backward)."""
+    lm = BF16.cast(gate_model(0))
+    opt, sched = trainer(lm, cfg)
+    weight = list(lm.get_output_embeddings().weight.shape)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step(objective.WeightedNLL(lm), opt, sched, docs, microbatch, precision=BF16)
+    casts = sum(e.count for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::_to_copy" and e.input_shapes[:1] == [weight])
+    return lm, casts
+
+
+def test_bf16_casts_each_weight_once_per_update_and_changes_no_bit(cfg, monkeypatch):
+    docs = documents(8, seed=9)
+    held, held_casts = _bf16_update(cfg, docs, 2)
+    # Autocast entered and left around each forward: a cast per microbatch.
+    monkeypatch.setattr(objective.Precision, "update", lambda self, device_type: contextlib.nullcontext(contextlib.nullcontext))
+    per_microbatch, per_microbatch_casts = _bf16_update(cfg, docs, 2)
+    # 4 microbatches, 4 gradient conversions either way; the weight cast once, not 4 times.
+    assert (held_casts, per_microbatch_casts) == (1 + 4, 4 + 4)
+    assert all(torch.equal(p, q) for p, q in zip(held.parameters(), per_microbatch.parameters()))

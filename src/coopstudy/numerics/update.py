@@ -160,17 +160,19 @@ def run_update(
     shares: list[torch.Tensor] = []
     local_tokens = computed = 0
     last = len(microbatches) - 1
-    for i, mb in enumerate(microbatches):
-        # Gradients accumulate locally; only the last microbatch's backward
-        # synchronizes them (all-reduce, or PowerSGD), once per update.
-        sync = contextlib.nullcontext() if i == last else distributed.no_sync(net)
-        with sync:
-            with precision.forward(ctx.device.type):
-                loss, share = objective.microbatch_loss(net, mb, total_weight, ctx.world_size)
-            loss.backward()
-        shares.append(share)
-        local_tokens += mb.tokens
-        computed += mb.input_ids.numel()
+    with precision.update(ctx.device.type) as backward:
+        for i, mb in enumerate(microbatches):
+            # Gradients accumulate locally; only the last microbatch's backward
+            # synchronizes them (all-reduce, or PowerSGD), once per update.
+            sync = contextlib.nullcontext() if i == last else distributed.no_sync(net)
+            with sync:
+                with precision.forward(ctx.device.type):
+                    loss, share = objective.microbatch_loss(net, mb, total_weight, ctx.world_size)
+                with backward():
+                    loss.backward()
+            shares.append(share)
+            local_tokens += mb.tokens
+            computed += mb.input_ids.numel()
     _synchronize(ctx.device)
     step_start = time.perf_counter()
 
