@@ -37,12 +37,15 @@ UPDATE_METRICS = {
     "bytes": schema.M_BYTES,
     "forward_backward_seconds": schema.M_FORWARD_BACKWARD_SECONDS,
     "comm_seconds": schema.M_COMM_SECONDS,
+    "comm_arithmetic_seconds": schema.M_COMM_ARITHMETIC_SECONDS,
     "optimizer_seconds": schema.M_OPTIMIZER_SECONDS,
     "other_seconds": schema.M_OTHER_SECONDS,
     "record_seconds": schema.M_RECORD_SECONDS,
 }
 BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
 """Where rank 0's seconds of an update went (update_seconds is the first four; recording is outside it)."""
+BREAKDOWN_ROWS = ("update_seconds", "forward_backward_seconds", "comm_seconds", "comm_arithmetic_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
+"""The report's table of the breakdown: the update, its parts, and under comm the part of it that is PowerSGD's arithmetic."""
 RUN_METRICS = {
     "active_seconds": schema.M_ACTIVE_SECONDS,
     "complete_seconds": schema.M_COMPLETE_SECONDS,

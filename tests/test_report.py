@@ -45,6 +45,7 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                     schema.M_BYTES: 0.0 if arm == "control" else (40_000.0 if dense else 5_000.0),
                     schema.M_FORWARD_BACKWARD_SECONDS: 0.5 + update,
                     schema.M_COMM_SECONDS: 0.0 if arm == "control" else (0.2 if dense else 0.4),
+                    schema.M_COMM_ARITHMETIC_SECONDS: 0.3 if arm == "compressed" and not dense else 0.0,
                     schema.M_OPTIMIZER_SECONDS: 0.1,
                     schema.M_OTHER_SECONDS: 0.01,
                     schema.M_RECORD_SECONDS: 0.0,
@@ -230,7 +231,8 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert later["compressed"]["forward_backward_seconds"] == pytest.approx(statistics.median(0.5 + k for k in steps))
     assert later["compressed"]["comm_seconds"] == 0.4 and dense["compressed"]["comm_seconds"] == 0.2
     assert dense["control"]["comm_seconds"] == 0.0
-    assert "## Where an update's seconds went" in md and "| forward backward |" in md
+    assert later["compressed"]["comm_arithmetic_seconds"] == 0.3 and dense["compressed"]["comm_arithmetic_seconds"] == 0.0
+    assert "## Where an update's seconds went" in md and "| forward backward |" in md and "| comm arithmetic |" in md
     assert "Where an update's seconds went" in first_out
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)
     for body in (md, text, json.dumps(report), first_out):

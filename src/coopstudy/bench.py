@@ -226,6 +226,7 @@ _PARTS = (
     ("update", schema.M_UPDATE_SECONDS),
     ("forward_backward", schema.M_FORWARD_BACKWARD_SECONDS),
     ("comm", schema.M_COMM_SECONDS),
+    ("comm_arithmetic", schema.M_COMM_ARITHMETIC_SECONDS),
     ("optimizer", schema.M_OPTIMIZER_SECONDS),
     ("other", schema.M_OTHER_SECONDS),
     ("record", schema.M_RECORD_SECONDS),
@@ -391,10 +392,11 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
         by_rank = results["compressed"]["summary"]["times_by_rank"]
         table = Table(title="compressed arm by rank: median s/update, all updates")
         table.add_column("rank")
-        for part in ("forward_backward", "communication", "optimizer", "other"):
+        columns = ("forward_backward", "communication", "communication_arithmetic", "optimizer", "other")
+        for part in columns:
             table.add_column(part, justify="right")
         for r, parts in enumerate(by_rank):
-            add(table, str(r), *(f"{_median(parts[p]):.3f}" for p in ("forward_backward", "communication", "optimizer", "other")))
+            add(table, str(r), *(f"{_median(parts[p]):.3f}" for p in columns))
         console.print(table)
     table = Table(title=f"training FLOP/s per device, {updates} updates, {cfg.train.precision}")
     table.add_column("quantity")

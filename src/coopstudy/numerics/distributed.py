@@ -30,7 +30,10 @@ decompression, error feedback) run on gloo's threads while the main thread
 waits for that future at the end of the backward, so this is the wall time
 the update spends on gradient communication, waits for the other worker
 included. On NCCL the future completes when the work is queued on the
-stream, so it is the host's share only.
+stream, so it is the host's share only. Of those seconds, the counter also
+keeps the part spent in PowerSGD's own arithmetic (the stretches between the
+hook's collectives): what a worker computes in full whatever the number of
+workers, beside what is transfer and waiting.
 
 PowerSGD: `powersgd_hook` is torch's `powerSGD_hook` (torch 2.13) step for
 step, with one change: error feedback works in place in its kept error
@@ -47,7 +50,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import ContextManager
@@ -176,6 +179,11 @@ class UpdateBytes:
     collectives: int
     hook_seconds: float = 0.0
     """Wall seconds of the update's gradient comm hook, its call to its future's completion."""
+    arithmetic_seconds: float = 0.0
+    """The part of hook_seconds this worker spent in PowerSGD's own arithmetic
+    (error feedback, the P and Q products, orthogonalizations,
+    decompression); the rest is the collectives and waits for the other
+    workers. 0 for dense updates."""
 
     @property
     def total(self) -> int:
@@ -213,9 +221,13 @@ class ByteCounter:
     _scalar: int = 0
     _collectives: int = 0
     _hook_seconds: float = 0.0
+    _arithmetic_seconds: float = 0.0
 
     def add_hook_seconds(self, seconds: float) -> None:
         self._hook_seconds += seconds
+
+    def add_arithmetic_seconds(self, seconds: float) -> None:
+        self._arithmetic_seconds += seconds
 
     def add_gradient(self, phase: str, nbytes: int, collectives: int) -> None:
         self._phase = phase
@@ -228,9 +240,12 @@ class ByteCounter:
 
     def end_update(self) -> UpdateBytes:
         """Close the current update's count and return it."""
-        done = UpdateBytes(len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds)
+        done = UpdateBytes(
+            len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds, self._arithmetic_seconds
+        )
         self.updates.append(done)
-        self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds = None, 0, 0, 0, 0.0
+        self._phase, self._gradient, self._scalar, self._collectives = None, 0, 0, 0
+        self._hook_seconds = self._arithmetic_seconds = 0.0
         return done
 
     def totals(self) -> ByteTotals:
@@ -267,7 +282,9 @@ def compression_plan(shapes: Iterable[Sequence[int]], rank: int, min_rate: float
     return plans
 
 
-def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def powersgd_hook(
+    state: PowerSGDState, bucket: dist.GradBucket, arithmetic: Callable[[float], None] | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """torch's powerSGD_hook (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py,
     torch 2.13, `batch_tensors_with_same_shape` off as the study's state has
     it), the same arithmetic in the same order, with error feedback kept in
@@ -285,6 +302,10 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     (e + M, the same sums as M + e), compression reads A from e, M' is written
     into the bucket, and e - M' is subtracted in place: one pass over the
     bucket and two bucket-sized allocations fewer per update, the same bits.
+
+    `arithmetic`, when given, is handed the seconds of each stretch of the
+    hook's own computation (each ends where a collective is issued), so the
+    record can tell computation from collectives and waits.
     """
     process_group = state.process_group
     group_to_use = process_group if process_group is not None else dist.group.WORLD
@@ -295,6 +316,8 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         state.maybe_increase_iter(bucket)
         return default_hooks._allreduce_fut(group_to_use, input_tensor)
 
+    started = time.perf_counter()
+    clock = arithmetic or (lambda seconds: None)
     device, dtype = input_tensor.device, input_tensor.dtype
     bucket_index = bucket.index()
     tensors = bucket.gradients()
@@ -390,28 +413,34 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     for tensor, q, p in zip(matrices, qs, ps):
         torch.bmm(tensor, q, out=p)
+    clock(time.perf_counter() - started)
 
     allreduce_contiguous_uncompressed_tensors_fut = dist.all_reduce(
         uncompressed_tensors_memory, group=group_to_use, async_op=True
     ).get_future()
 
     def unpack_uncompressed_tensors_and_allreduce_ps(fut):
+        start = time.perf_counter()
         uncompressed_tensors_memory = fut.value()[0].div_(world_size)
         idx = 0
         for tensor in uncompressed_tensors:
             tensor.copy_(uncompressed_tensors_memory[idx : idx + tensor.numel()].view_as(tensor))
             idx += tensor.numel()
+        clock(time.perf_counter() - start)
         return dist.all_reduce(state.p_memory_dict[bucket_index], group=group_to_use, async_op=True).get_future().wait()[0]
 
     def compute_qs(fut):
+        start = time.perf_counter()
         state.p_memory_dict[bucket_index] = fut.value()
         for p in ps:
             torch_powersgd._orthogonalize(p, state.orthogonalization_epsilon)
         for tensor, p, q in zip(matrices, ps, qs):
             torch.bmm(tensor.transpose(1, 2), p, out=q)
+        clock(time.perf_counter() - start)
         return dist.all_reduce(state.q_memory_dict[bucket_index], group=group_to_use, async_op=True).get_future().wait()[0]
 
     def decompress(fut):
+        start = time.perf_counter()
         state.q_memory_dict[bucket_index] = fut.value().div_(world_size)
         for p, q, tensor in zip(ps, qs, targets):
             torch.bmm(p, q.transpose(1, 2), out=tensor)
@@ -424,6 +453,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             state.p_memory_dict.clear()
             state.q_memory_dict.clear()
         state.maybe_increase_iter(bucket)
+        clock(time.perf_counter() - start)
         return input_tensor
 
     return (
@@ -451,7 +481,7 @@ def _counting_hook(counter: ByteCounter, bucket: dist.GradBucket) -> torch.futur
             plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
             # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
             counter.add_gradient(COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
-        fut = powersgd_hook(state, bucket)
+        fut = powersgd_hook(state, bucket, counter.add_arithmetic_seconds)
 
     def timed(done: torch.futures.Future) -> torch.Tensor:
         # Runs when the hook's work is complete (on gloo, on the thread that

@@ -66,6 +66,10 @@ class UpdateTimes:
     other: float
     """Packing the microbatches and the end of the update: the loss read off
     the device and the scalar sums (loss, tokens) across the workers."""
+    communication_arithmetic: float = 0.0
+    """Of `communication`, not beside it: PowerSGD's own arithmetic on this
+    worker (distributed.UpdateBytes.arithmetic_seconds); the rest of
+    `communication` is collectives and waits."""
 
     @property
     def total(self) -> float:
@@ -201,6 +205,7 @@ def run_update(
     times = UpdateTimes(
         forward_backward=step_start - compute_start - hook,
         communication=hook,
+        communication_arithmetic=comm.arithmetic_seconds if comm is not None else 0.0,
         optimizer=(compute_start - start) + (step_end - step_start),
         other=prepare_seconds + (end - step_end),
     )

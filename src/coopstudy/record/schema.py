@@ -253,6 +253,10 @@ M_COMM_SECONDS = "train/comm_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds in the gradient comm
 hook (dense all-reduce, or PowerSGD: compression, all-reduces, decompression, error feedback), from its
 call to its future's completion, waits for the other rank included; 0 in the control."""
+M_COMM_ARITHMETIC_SECONDS = "train/comm_arithmetic_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: the part of train/comm_seconds that
+rank 0 spent in PowerSGD's own arithmetic (error feedback, the P and Q products, orthogonalizations,
+decompression); the rest of it is collectives and waits. 0 for dense updates and in the control."""
 M_OPTIMIZER_SECONDS = "train/optimizer_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds zeroing gradients,
 taking their norm, clipping, and the AdamW and schedule steps."""

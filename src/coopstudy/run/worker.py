@@ -176,6 +176,7 @@ def train(
                                 schema.M_BYTES: result.comm.total if result.comm else 0,
                                 schema.M_FORWARD_BACKWARD_SECONDS: t.forward_backward,
                                 schema.M_COMM_SECONDS: t.communication,
+                                schema.M_COMM_ARITHMETIC_SECONDS: t.communication_arithmetic,
                                 schema.M_OPTIMIZER_SECONDS: t.optimizer,
                                 schema.M_OTHER_SECONDS: t.other,
                                 schema.M_RECORD_SECONDS: record_seconds,
