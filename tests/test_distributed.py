@@ -120,7 +120,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
         ours = distributed.powersgd_hook
-        # (torch's takes no clock for its arithmetic)
+        # torch's hook takes no clock for its arithmetic.
         distributed.powersgd_hook = lambda state, bucket, arithmetic: powerSGD_hook(state, bucket)
         try:
             result["torch_hook"] = _train(cfg, ctx, measured, set())
