@@ -44,8 +44,10 @@ UPDATE_METRICS = {
 }
 BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
 """Where rank 0's seconds of an update went (update_seconds is the first four; recording is outside it)."""
-BREAKDOWN_ROWS = ("update_seconds", "forward_backward_seconds", "comm_seconds", "comm_arithmetic_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
-"""The report's table of the breakdown: the update, its parts, and under comm the part of it that is PowerSGD's arithmetic."""
+BREAKDOWN_JSON = ("update_seconds", *BREAKDOWN, "comm_arithmetic_seconds")
+"""What report.json's breakdown holds per phase and arm: the update, its parts, and the part of comm that
+is PowerSGD's arithmetic. report.md's table leaves the last out: the run's description is report.md,
+and MLflow keeps at most 8,000 characters of it."""
 RUN_METRICS = {
     "active_seconds": schema.M_ACTIVE_SECONDS,
     "complete_seconds": schema.M_COMPLETE_SECONDS,

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import BREAKDOWN, BREAKDOWN_ROWS, MODELS, Records, evaluate_role, phases
+from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records, evaluate_role, phases
 from coopstudy.config import ARMS, Config
 from coopstudy.record import store
 
@@ -34,8 +34,7 @@ BYTES_NOTE = (
 )
 BREAKDOWN_NOTE = (
     "Update = forward and backward + comm (the gradient comm hook, waits for the other worker included) "
-    "+ optimizer + other; comm arithmetic is the part of comm that is PowerSGD's own computation "
-    "(the rest of comm is collectives and waits); record is the writing of the record inside the training window just before an "
+    "+ optimizer + other; record is the writing of the record inside the training window just before an "
     "update, outside its seconds. Per-update figures are in the train runs' train/* metrics."
 )
 POWER_NOTE = (
@@ -83,7 +82,7 @@ def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:
         out[phase] = {"updates": [steps[0], steps[-1]]}
         for arm in ARMS:
             group = rows[rows["arm"] == arm]
-            out[phase][arm] = {part: _median(group[part]) for part in BREAKDOWN_ROWS}
+            out[phase][arm] = {part: _median(group[part]) for part in BREAKDOWN_JSON}
     return out
 
 
@@ -253,7 +252,7 @@ def breakdown_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     ]
     rows = [
         [part.removesuffix("_seconds").replace("_", " "), *(_count(report["breakdown"][phase][arm][part], 3) for phase, arm in phase_arms)]
-        for part in BREAKDOWN_ROWS
+        for part in ("update_seconds", *BREAKDOWN)
     ]
     return headers, rows
 

@@ -297,6 +297,17 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
             page.get_by_text("train-control-tiny", exact=True).wait_for()
             page.get_by_text("train-compressed-tiny", exact=True).wait_for()
             loss = page.locator(f'a[href*="#/metric?"][href*="{urllib.parse.quote(schema.M_LOSS, safe="")}"]').first
+            metrics = page.locator('a[href*="#/metric?"]')
+            metrics.first.wait_for()
+            # The metrics table renders only the rows near the view (a train
+            # run has over twenty metrics): scroll down it, as a user would,
+            # until the loss's row is there.
+            for _ in range(30):
+                if loss.count():
+                    break
+                metrics.last.scroll_into_view_if_needed()
+                page.mouse.wheel(0, 400)
+                page.wait_for_timeout(300)
             loss.wait_for()
             page.screenshot(path=str(SCREENSHOTS / "compare.png"), full_page=True)
             # The compare page re-renders as the metric histories arrive; a click
