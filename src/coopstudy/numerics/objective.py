@@ -125,7 +125,7 @@ def document_attention(
     # split, not slices: the backward of a slice fills a row-sized zero
     # tensor per document, the backward of a split is one concatenation.
     documents = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
-    with sdpa_kernel(_document_kernels(query.device.type)):
+    with _document_kernels(query.device.type):
         parts = [
             F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=q.shape[2] > 1, **gqa)
             for q, k, v in documents
@@ -134,17 +134,17 @@ def document_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _document_kernels(device_type: str) -> list[SDPBackend]:
-    """The attention kernels document_attention lets SDPA choose from.
+def _document_kernels(device_type: str) -> ContextManager:
+    """The context document_attention's SDPA calls run in.
 
-    On CPU the math kernel only: for documents of a few hundred tokens it
+    On CPU, the math kernel only: for documents of a few hundred tokens it
     is about twice as fast as the CPU flash kernel, whose backward was a
     fifth of the control's update (bf16, one thread, 4 documents of 60-170
-    tokens: 7.6 against 14.1 ms per layer, forward and backward). On CUDA,
-    SDPA's own choice among all its kernels."""
+    tokens: 7.6 against 14.1 ms per layer, forward and backward). Elsewhere
+    SDPA chooses, unrestricted."""
     if device_type == "cpu":
-        return [SDPBackend.MATH]
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 def _register() -> None:
