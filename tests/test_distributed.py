@@ -1,7 +1,8 @@
 """distributed.py on two real gloo ranks: PowerSGD's dense-to-compressed switch
 under gradient accumulation, error feedback precision, one bucket, the byte
 count against what the ranks really hand to all-reduce, the hook's timing,
-and the project's PowerSGD hook against torch's, bit for bit."""
+and the project's PowerSGD hook against torch's: bit for bit with torch's
+kernels for P and Q, to fp32 rounding with oneDNN's (the training default on CPU)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
         "buckets": sorted(buckets),
         "param_sum": float(sum(p.double().sum() for p in lm.parameters())),
         "param_sha256": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in lm.parameters())).hexdigest(),
+        "_params": torch.cat([p.detach().flatten() for p in lm.parameters()]),
         "error_sha256": hashlib.sha256(b"".join(e.numpy().tobytes() for e in counter.powersgd.error_dict.values())).hexdigest(),
         "grad_dtypes": sorted({str(p.grad.dtype) for p in lm.parameters()}),
         "shapes": {n: list(p.shape) for n, p in lm.named_parameters()},
@@ -124,8 +126,13 @@ def _rank(rank: int, port: int, out: str) -> None:
         distributed.powersgd_hook = lambda state, bucket, arithmetic: powerSGD_hook(state, bucket)
         try:
             result["torch_hook"] = _train(cfg, ctx, measured, set())
+            # The project's hook with torch's kernels for P and Q.
+            distributed.powersgd_hook = lambda state, bucket, arithmetic: ours(state, bucket, arithmetic, distributed.BMM)
+            result["bmm_hook"] = _train(cfg, ctx, measured, set())
         finally:
             distributed.powersgd_hook = ours
+        result["params"] = [p.tolist() for p in (result.pop("_params"), result["torch_hook"].pop("_params"))]
+        result["bmm_hook"].pop("_params")
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -166,14 +173,40 @@ def test_one_bucket_on_gloo_and_the_ranks_stay_identical(two_ranks):
 
 
 def test_the_projects_powersgd_hook_is_torchs_bit_for_bit(two_ranks):
-    # Kept buffers instead of fresh ones change no number: weights, error
-    # feedback and losses after dense and compressed updates are identical.
+    # Kept buffers instead of fresh ones change no number: with torch's
+    # kernels for P and Q, weights, error feedback and losses after dense and
+    # compressed updates are identical.
     for result in two_ranks:
-        theirs = result["torch_hook"]
-        assert result["param_sha256"] == theirs["param_sha256"]
-        assert result["error_sha256"] == theirs["error_sha256"]
-        assert [r["loss"] for r in result["rows"]] == [r["loss"] for r in theirs["rows"]]
-        assert [r["phase"] for r in result["rows"]] == [r["phase"] for r in theirs["rows"]]
+        theirs, ours = result["torch_hook"], result["bmm_hook"]
+        assert ours["param_sha256"] == theirs["param_sha256"]
+        assert ours["error_sha256"] == theirs["error_sha256"]
+        assert [r["loss"] for r in ours["rows"]] == [r["loss"] for r in theirs["rows"]]
+        assert [r["phase"] for r in ours["rows"]] == [r["phase"] for r in theirs["rows"]]
+
+
+def test_onednn_products_round_differently_and_train_the_same_weights(two_ranks):
+    # The training default on CPU: P and Q through oneDNN. The weights after
+    # three compressed updates are torch's to fp32 rounding, not bit for bit.
+    assert distributed._low_rank_products(torch.zeros(2)) == distributed.ONEDNN
+    assert distributed._low_rank_products(torch.zeros(2, dtype=torch.float64)) == distributed.BMM
+    for result in two_ranks:
+        ours, theirs = (torch.tensor(p) for p in result["params"])
+        assert result["param_sha256"] != result["torch_hook"]["param_sha256"]
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        assert [r["phase"] for r in result["rows"]] == [r["phase"] for r in result["torch_hook"]["rows"]]
+
+
+@pytest.mark.parametrize("n, m", [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 576)])
+def test_onednn_products_are_the_bmm_products_to_fp32_rounding(n, m):
+    torch.manual_seed(n + m)
+    a, q, p = torch.randn(1, n, m), torch.randn(1, m, 32), torch.randn(1, n, 32)
+    for product, shape, reference in (
+        (distributed._project, (1, n, 32), torch.bmm(a, q)),
+        (distributed._project_back, (1, m, 32), torch.bmm(a.transpose(1, 2), p)),
+    ):
+        out = torch.empty(shape)
+        product(a, q if product is distributed._project else p, out, distributed.ONEDNN)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
 def test_the_hook_is_timed_and_the_update_seconds_add_up(two_ranks):

@@ -6,6 +6,8 @@ Each refusal is one line, exit 2, and a FAILED train run on record.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -83,6 +85,29 @@ def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
     assert env[writer.ENV_RUN_ID] == "RUN"
     # The project run's id must not leak into the ranks.
     assert "MLFLOW_RUN_ID" not in env
+
+
+REUSE = """
+import resource, torch
+def faults_of_a_fresh_tensor():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(2**25).fill_(1.0)  # 128 MiB, freed at once, as an update's logits are
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_fresh_tensor()
+print(faults_of_a_fresh_tensor())
+"""
+
+
+def test_the_arms_reuse_the_memory_of_the_update_before(monkeypatch):
+    # In the arms' environment a large tensor freed and made again takes the
+    # pages it had; glibc's default would unmap them and fault all again.
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    env = launch.worker_environment(config.load("tiny"), "RUN")
+    faults = {}
+    for name, environment in (("arms", env), ("default", {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"})):
+        done = subprocess.run([sys.executable, "-c", REUSE], env=environment, capture_output=True, text=True, check=True)
+        faults[name] = int(done.stdout.split()[-1])
+    assert faults["arms"] < 100 < faults["default"], faults
 
 
 def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypatch):

@@ -80,6 +80,19 @@ def local_devices(workers: int, *, hostfile: Path | None = None, nodes: int | No
     return [f"cuda{d}" for d in _visible_gpus()[:local]]
 
 
+TRAINING_MALLOC = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
+"""glibc's malloc settings for the arms' processes. glibc serves every block
+above 32 MiB from a fresh mmap and unmaps it when freed, so each update's
+large tensors (the logits at target tokens, the embedding's bf16 copy and
+dense gradient, 50-120 MiB each at microbatch 16) fault their pages in again,
+at about 0.4 GB/s of system time on these VMs: 0.3-1.6 s of a control
+update's 3-8 s (README, "What stays on CPU, and why"). mmap_max=0 serves them
+from the heap, and a trim threshold of 1 TiB keeps the heap's freed top, so
+an update reuses the pages of the one before and faults only where its peak
+grows; hugetlb=1 asks for transparent huge pages where memory is new (THP
+"madvise"): a fresh 538 MB copy then costs about a quarter of its time."""
+
+
 def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_ALLOCATOR) -> dict[str, str]:
     """What every process of the arm, launcher included, runs under."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
@@ -87,11 +100,7 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     # One device is `threads_per_device` cores on CPU: OpenMP and MKL pools
     # are sized before torch can be told, so the environment says it first.
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
-    # Large tensors (bucket-sized buffers, logits, temporaries) come from fresh
-    # mmaps that fault in 4 KiB at a time; this asks glibc for transparent huge
-    # pages on them (THP "madvise"): a fresh 538 MB copy then costs about a
-    # quarter of its time (coopstudy.numerics.distributed, issue 14).
-    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    env.setdefault("GLIBC_TUNABLES", TRAINING_MALLOC)
     env[writer.ENV_RUN_ID] = run_id
     if not machine.cuda_available():
         # Tells DeepSpeed (the launcher, and transformers' checks for it) what
