@@ -197,7 +197,7 @@ def test_onednn_products_round_differently_and_train_the_same_weights(two_ranks)
 
 
 @pytest.mark.parametrize("n, m", [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 576)])
-def test_onednn_products_are_the_bmm_products_to_fp32_rounding_and_decompression_the_same_bits(n, m):
+def test_onednn_products_are_the_bmm_products_to_fp32_rounding(n, m):
     torch.manual_seed(n + m)
     a, q, p = torch.randn(1, n, m), torch.randn(1, m, 32), torch.randn(1, n, 32)
     for product, shape, reference in (
@@ -207,9 +207,6 @@ def test_onednn_products_are_the_bmm_products_to_fp32_rounding_and_decompression
         out = torch.empty(shape)
         product(a, q if product is distributed._project else p, out, distributed.ONEDNN)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
-    out = torch.empty(1, n, m)
-    distributed._decompress(p, q, out, distributed.ONEDNN)
-    assert torch.equal(out, torch.bmm(p, q.transpose(1, 2)))
 
 
 def test_the_hook_is_timed_and_the_update_seconds_add_up(two_ranks):

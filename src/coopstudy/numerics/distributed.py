@@ -42,14 +42,14 @@ error as another (two 538 MB allocations per update for the 135M model, each
 paying for its pages again, and one more pass over the bucket). The numbers
 are the same bit for bit (tests/test_distributed.py trains with both).
 
-Its three matrix products, P = AQ, Q = AᵀP and M' = PQᵀ, go through oneDNN
-on CPU in fp32 (`_low_rank_products`): torch sends fp32 matrix products to
-MKL, whose sgemm runs AVX2 code on AMD CPUs (89 GFLOP/s on one thread of the
-avx512_bf16 EPYC, where oneDNN reaches 201), so these products over the 135M
-model's gradients took 146, 135 and 140 ms against 59, 74 and 85 through
-oneDNN. P and Q round differently in the other kernel (about 1e-6
-relative); M', a sum of rank-many terms, came out the same bits. With `BMM`
-the hook is torch's bit for bit, and the test holds it to that too.
+Its two large products, P = AQ and Q = AᵀP, go through oneDNN on CPU in
+fp32 (`_low_rank_products`): torch sends fp32 matrix products to MKL, whose
+sgemm runs AVX2 code on AMD CPUs (89 GFLOP/s on one thread of the
+avx512_bf16 EPYC, where oneDNN reaches 201), so these two products over the
+135M model's gradients took 146 and 135 ms against 59 and 74 through
+oneDNN. The same products in another kernel round differently (about 1e-6
+relative); with `BMM` the hook is torch's bit for bit, and the test holds it
+to that too.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook
@@ -292,9 +292,9 @@ def compression_plan(shapes: Iterable[Sequence[int]], rank: int, min_rate: float
 
 
 BMM = "bmm"
-"""The hook's products by torch.bmm, as torch's hook computes them."""
+"""P = AQ and Q = AᵀP by torch.bmm, as torch's hook computes them."""
 ONEDNN = "onednn"
-"""The hook's products by oneDNN's fp32 matrix product (CPU only)."""
+"""P = AQ and Q = AᵀP by oneDNN's fp32 matrix product (CPU only)."""
 
 
 def _low_rank_products(tensor: torch.Tensor) -> str:
@@ -325,14 +325,6 @@ def _project_back(a: torch.Tensor, p: torch.Tensor, out: torch.Tensor, products:
         torch.bmm(a.transpose(1, 2), p, out=out)
 
 
-def _decompress(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, products: str) -> None:
-    """out = p qᵀ, for batches of one: (1, n, r), (1, m, r) -> (1, n, m)."""
-    if products == ONEDNN:
-        out[0].copy_(_x_times_w_transposed(p[0], q[0]))
-    else:
-        torch.bmm(p, q.transpose(1, 2), out=out)
-
-
 def powersgd_hook(
     state: PowerSGDState,
     bucket: dist.GradBucket,
@@ -360,8 +352,9 @@ def powersgd_hook(
     `arithmetic`, when given, is handed the seconds of each stretch of the
     hook's own computation (each ends where a collective is issued), so the
     record can tell computation from collectives and waits. `products`
-    (BMM or ONEDNN) computes P = AQ, Q = AᵀP and M' = PQᵀ; by default ONEDNN
-    where it applies (module docstring).
+    (BMM or ONEDNN) computes P = AQ and Q = AᵀP; by default ONEDNN where it
+    applies (module docstring). M' = PQᵀ stays torch.bmm: its inner
+    dimension is the rank, and oneDNN was no faster there.
     """
     process_group = state.process_group
     group_to_use = process_group if process_group is not None else dist.group.WORLD
@@ -500,7 +493,7 @@ def powersgd_hook(
         start = time.perf_counter()
         state.q_memory_dict[bucket_index] = fut.value().div_(world_size)
         for p, q, tensor in zip(ps, qs, targets):
-            _decompress(p, q, tensor, products)
+            torch.bmm(p, q.transpose(1, 2), out=tensor)
         if torch.cuda.is_available():
             torch.cuda.synchronize(device)
         if state.use_error_feedback:
