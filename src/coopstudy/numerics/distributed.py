@@ -353,8 +353,10 @@ def powersgd_hook(
     hook's own computation (each ends where a collective is issued), so the
     record can tell computation from collectives and waits. `products`
     (BMM or ONEDNN) computes P = AQ and Q = AᵀP; by default ONEDNN where it
-    applies (module docstring). M' = PQᵀ stays torch.bmm: its inner
-    dimension is the rank, and oneDNN was no faster there.
+    applies (module docstring). M' = PQᵀ stays torch.bmm: through oneDNN it
+    was faster alone but not in the running arm, where its fresh
+    bucket-sized result is made on gloo's thread (README, "What stays on
+    CPU, and why").
     """
     process_group = state.process_group
     group_to_use = process_group if process_group is not None else dist.group.WORLD
