@@ -200,12 +200,12 @@ def test_onednn_products_round_differently_and_train_the_same_weights(two_ranks)
 def test_onednn_products_are_the_bmm_products_to_fp32_rounding(n, m):
     torch.manual_seed(n + m)
     a, q, p = torch.randn(1, n, m), torch.randn(1, m, 32), torch.randn(1, n, 32)
-    for product, shape, reference in (
-        (distributed._project, (1, n, 32), torch.bmm(a, q)),
-        (distributed._project_back, (1, m, 32), torch.bmm(a.transpose(1, 2), p)),
+    for product, factor, shape, reference in (
+        (distributed._project, q, (1, n, 32), torch.bmm(a, q)),
+        (distributed._project_back, p, (1, m, 32), torch.bmm(a.transpose(1, 2), p)),
     ):
         out = torch.empty(shape)
-        product(a, q if product is distributed._project else p, out, distributed.ONEDNN)
+        product(a, factor, out, distributed.ONEDNN)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
