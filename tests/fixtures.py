@@ -36,6 +36,28 @@ PLAN = "ab" * 32
 """The plan sha the `planned` fixture stands in for."""
 
 
+_REUSE = """
+import resource, sys, torch
+exec(sys.argv[1])
+def faults_of_a_fresh_tensor(n):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(n).fill_(1.0)  # freed at once, as an update's logits are
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_fresh_tensor(2**25)
+print(faults_of_a_fresh_tensor(2**25 - 2**21))
+"""
+
+
+def faults_of_a_large_tensor_made_again(env: dict[str, str] | None = None, setup: str = "") -> int:
+    """Page faults of a 120 MiB tensor made in a new process (after `setup`
+    runs there) where a 128 MiB one was just freed: none where malloc kept
+    the freed block, about 30,000 where glibc unmapped it. (Made again at the
+    same size, the block would not fit: torch's 64-byte-aligned allocation
+    asks glibc for more than it hands back.)"""
+    done = subprocess.run([sys.executable, "-c", _REUSE, setup], env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m coopstudy ARGS` as a user runs it, in the test's store."""
     return subprocess.run(

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import torch
-from fixtures import PLAN, fake_train_run
+from fixtures import PLAN, fake_train_run, faults_of_a_large_tensor_made_again
 
 from coopstudy import cli, config, scoring, workspace
 from coopstudy.commit import require
 from coopstudy.errors import UserError
 from coopstudy.inputs import chat, tasks
+from coopstudy.numerics import onednn
 from coopstudy.record import schema, store
 
 
@@ -89,8 +90,18 @@ def tokenizer(tiny_seed_home):
     return AutoTokenizer.from_pretrained(seed_dir)
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
+@pytest.fixture(scope="module", params=["torch", "onednn"])
+def model(request, tokenizer):
+    """The test model with torch's linear layers, and with oneDNN's as
+    `scoring.load_model` gives it on CPU: batching must not change what
+    either computes."""
+    plain = _plain_model(tokenizer)
+    if request.param == "onednn":
+        assert onednn.route_linears(plain) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    return plain
+
+
+def _plain_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # A larger init than the seed's makes the logits peaked: greedy decoding
@@ -167,6 +178,27 @@ def test_retention_nll_equals_one_document_at_a_time(model, tokenizer):
         assert row["tokens"] == count
         assert row["nll_sum"] == pytest.approx(total, rel=1e-5)
         assert row["mean_nll"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_a_model_loaded_for_scoring_on_cpu_computes_through_onednn(tokenizer, tmp_path):
+    # What evaluate scores: every linear layer through oneDNN, the logits
+    # torch's to fp32 rounding.
+    plain = _plain_model(tokenizer)
+    plain.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = scoring.load_model(tmp_path, "seed", tokenizer)
+    assert {type(m) for m in loaded.modules() if isinstance(m, torch.nn.Linear)} == {onednn.Linear}
+    ids = torch.tensor([_prompts(tokenizer)[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_scoring_process_keeps_the_memory_it_frees():
+    # A batch's activations are made again at every layer; glibc's default
+    # would unmap and fault each of them anew.
+    kept = faults_of_a_large_tensor_made_again(setup="from coopstudy import machine; assert machine.keep_freed_memory()")
+    default = faults_of_a_large_tensor_made_again()
+    assert kept < 100 < default, (kept, default)
 
 
 def test_summary_is_strict_accuracy_per_family_and_document_weighted_nll():

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import mlflow
+from fixtures import faults_of_a_large_tensor_made_again
 
 from coopstudy import config
 from coopstudy.record import schema, writer
@@ -87,27 +88,14 @@ def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
     assert "MLFLOW_RUN_ID" not in env
 
 
-REUSE = """
-import resource, torch
-def faults_of_a_fresh_tensor():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(2**25).fill_(1.0)  # 128 MiB, freed at once, as an update's logits are
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_a_fresh_tensor()
-print(faults_of_a_fresh_tensor())
-"""
-
-
 def test_the_arms_reuse_the_memory_of_the_update_before(monkeypatch):
-    # In the arms' environment a large tensor freed and made again takes the
-    # pages it had; glibc's default would unmap them and fault all again.
+    # In the arms' environment a large tensor freed serves the next one that
+    # fits, pages and all; glibc's default would unmap it and fault all again.
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     env = launch.worker_environment(config.load("tiny"), "RUN")
-    faults = {}
-    for name, environment in (("arms", env), ("default", {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"})):
-        done = subprocess.run([sys.executable, "-c", REUSE], env=environment, capture_output=True, text=True, check=True)
-        faults[name] = int(done.stdout.split()[-1])
-    assert faults["arms"] < 100 < faults["default"], faults
+    arms = faults_of_a_large_tensor_made_again(env)
+    default = faults_of_a_large_tensor_made_again({k: v for k, v in env.items() if k != "GLIBC_TUNABLES"})
+    assert arms < 100 < default, (arms, default)
 
 
 def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypatch):
@@ -140,9 +128,6 @@ with lock.device_lock(["testdev"], "a job that will be killed") as held:
 def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
     """SIGKILL frees the flock but leaves the holder's name in the file: the
     next job says so, stops what the dead job left running, ends its run."""
-    import subprocess
-    import sys
-
     import psutil
 
     from coopstudy.record import store
@@ -169,9 +154,6 @@ def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
 
 
 def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_process():
-    import subprocess
-    import sys
-
     import pytest
 
     from coopstudy.errors import RefusedError

@@ -1,9 +1,11 @@
-"""What this machine computes on: whether it has a CUDA device, and whether
-its training device runs bf16 natively. Imports nothing of the project's:
-every layer may use it. torch is imported only where the answer needs it."""
+"""What this machine computes on: whether it has a CUDA device, whether its
+training device runs bf16 natively, and how its C library's malloc is told to
+keep the memory it frees. Imports nothing of the project's: every layer may
+use it. torch is imported only where the answer needs it."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -33,3 +35,24 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+"""glibc's mallopt parameters (malloc.h)."""
+
+
+def keep_freed_memory() -> bool:
+    """Tells glibc's malloc, for the rest of this process, to serve large
+    blocks from its heap and keep what is freed (mmap_max 0, a 2 GiB trim
+    threshold). By default every block over 32 MiB is a fresh mmap, unmapped
+    when freed, so a model's activations fault their pages in again at every
+    layer of every batch: scoring the 128 retention documents took 69 s with
+    32 s of it system time, 26 s with this and oneDNN's products (README,
+    "What stays on CPU, and why"). The arms set the same through
+    GLIBC_TUNABLES before they start (run.launch.TRAINING_MALLOC), which
+    can also ask for huge pages. False where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))

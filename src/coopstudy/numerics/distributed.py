@@ -43,13 +43,11 @@ paying for its pages again, and one more pass over the bucket). The numbers
 are the same bit for bit (tests/test_distributed.py trains with both).
 
 Its two large products, P = AQ and Q = AᵀP, go through oneDNN on CPU in
-fp32 (`_low_rank_products`): torch sends fp32 matrix products to MKL, whose
-sgemm runs AVX2 code on AMD CPUs (89 GFLOP/s on one thread of the
-avx512_bf16 EPYC, where oneDNN reaches 201), so these two products over the
-135M model's gradients took 146 and 135 ms against 59 and 74 through
-oneDNN. The same products in another kernel round differently (about 1e-6
-relative); with `BMM` the hook is torch's bit for bit, and the test holds it
-to that too.
+fp32 (`_low_rank_products`, numerics.onednn): over the 135M model's
+gradients, on one thread of the avx512_bf16 EPYC, they took 146 and 135 ms
+through MKL against 59 and 74 through oneDNN. They round differently
+(about 1e-6 relative); with `BMM` the hook is torch's bit for bit, and the
+test holds it to that too.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook
@@ -74,6 +72,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coopstudy.config import Config
 from coopstudy.errors import UserError
+from coopstudy.numerics import onednn
 
 DENSE = "dense"
 COMPRESSED = "compressed"
@@ -298,20 +297,14 @@ ONEDNN = "onednn"
 
 
 def _low_rank_products(tensor: torch.Tensor) -> str:
-    """ONEDNN for fp32 on a CPU where torch has oneDNN, else BMM."""
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return ONEDNN if onednn and tensor.device.type == "cpu" and tensor.dtype == torch.float32 else BMM
-
-
-def _x_times_w_transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ by oneDNN (its linear layer without bias)."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    """ONEDNN where oneDNN applies to the tensor (fp32 on CPU), else BMM."""
+    return ONEDNN if onednn.applies(tensor) else BMM
 
 
 def _project(a: torch.Tensor, q: torch.Tensor, out: torch.Tensor, products: str) -> None:
     """out = a q, for batches of one: (1, n, m) @ (1, m, r) -> (1, n, r)."""
     if products == ONEDNN:
-        out[0].copy_(_x_times_w_transposed(a[0], q[0].t()))
+        out[0].copy_(onednn.x_times_w_transposed(a[0], q[0].t()))
     else:
         torch.bmm(a, q, out=out)
 
@@ -320,7 +313,7 @@ def _project_back(a: torch.Tensor, p: torch.Tensor, out: torch.Tensor, products:
     """out = aᵀ p, for batches of one: (1, n, m), (1, n, r) -> (1, m, r).
     Through oneDNN as (pᵀ a)ᵀ, with pᵀ made contiguous: its fastest form here."""
     if products == ONEDNN:
-        out[0].copy_(_x_times_w_transposed(p[0].t().contiguous(), a[0].t()).t())
+        out[0].copy_(onednn.x_times_w_transposed(p[0].t().contiguous(), a[0].t()).t())
     else:
         torch.bmm(a.transpose(1, 2), p, out=out)
 
