@@ -5,6 +5,8 @@ Each refusal is one line, exit 2, and a FAILED train run on record.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -63,8 +65,10 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = config.load("tiny")
     one_host = launch.command(cfg, "compressed", "RUN")
-    assert Path(one_host[0]).name == "deepspeed"
-    assert one_host[one_host.index("--num_gpus") + 1] == "2"
+    # DeepSpeed's per-node launcher, given this host's two devices as the runner would.
+    assert one_host[1:4] == ["-u", "-m", "coopstudy.run.one_host_launcher"]
+    (world,) = [a.split("=", 1)[1] for a in one_host if a.startswith("--world_info=")]
+    assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": [0, 1]}
     assert one_host[one_host.index("--module") + 1 :][:2] == ["coopstudy", "worker"]
     assert one_host[one_host.index("--run-id") + 1] == "RUN"
     hostfile = tmp_path / "hostfile"

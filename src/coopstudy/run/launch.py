@@ -2,8 +2,9 @@
 
 The control is one plain process, `python -m coopstudy worker`. The compressed
 arm is the same command started by the DeepSpeed launcher, which only starts
-ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): one host with
-`--num_gpus`, or two hosts from an MPI-style hostfile (one slot per host).
+ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): on one host
+its per-node launcher directly (coopstudy.run.one_host_launcher), on two
+hosts the `deepspeed` runner with an MPI-style hostfile (one slot per host).
 
 Two hosts without ssh: each host starts its own node of the job
 (`nodes`, `node_rank`, `master_addr`, `master_port`): the launcher with
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -128,11 +130,15 @@ def decode_config(word: str) -> Config:
     return config_mod.from_dict(json.loads(zlib.decompress(base64.urlsafe_b64decode(word))))
 
 
+NO_DEEPSPEED = "the compressed arm needs the DeepSpeed launcher; install deepspeed in this environment"
+
+
 def _deepspeed() -> str:
+    """The `deepspeed` runner, which starts the ranks of more than one host."""
     beside = Path(sys.executable).with_name("deepspeed")
     found = str(beside) if beside.is_file() else shutil.which("deepspeed")
     if not found:
-        raise UserError("the compressed arm needs the DeepSpeed launcher `deepspeed`; install deepspeed in this environment")
+        raise UserError(NO_DEEPSPEED)
     return found
 
 
@@ -179,18 +185,29 @@ def command(
             "--num_gpus", str(workers // nodes), "--log_level", "warning", "--no_local_rank",
         ]  # fmt: skip
         return [*launcher, "--module", "coopstudy", "worker", *worker_args]
-    launcher = [_deepspeed(), "--master_port", str(workspace.free_port()), "--log_level", "warning", "--no_local_rank"]
+    port = str(workspace.free_port())
     if hostfile is not None:
         # One rank per host, as many hosts as workers, from the hostfile
         # (`host slots=1` lines); DeepSpeed reaches them with pdsh over ssh.
+        launcher = [_deepspeed(), "--master_port", port, "--log_level", "warning", "--no_local_rank"]
         launcher += ["--hostfile", str(hostfile), "--num_nodes", str(workers), "--num_gpus", "1"]
-    elif machine.cuda_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
-        # --num_gpus would make DeepSpeed drop CUDA_VISIBLE_DEVICES and take
-        # GPUs 0..n-1; --include keeps the devices this job was given.
-        launcher += ["--include", "localhost:" + ",".join(_visible_gpus()[:workers])]
-    else:
-        launcher += ["--num_gpus", str(workers)]
+        return [*launcher, "--module", "coopstudy", "worker", *worker_args]
+    # The devices this job was given (CUDA_VISIBLE_DEVICES kept), as the
+    # runner's --include would name them; on CPU, device ids 0..n-1.
+    devices = _visible_gpus()[:workers] if machine.cuda_available() else [str(i) for i in range(workers)]
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError(NO_DEEPSPEED)
+    launcher = [
+        sys.executable, "-u", "-m", "coopstudy.run.one_host_launcher", f"--world_info={_world_info(devices)}",
+        "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
+    ]  # fmt: skip
     return [*launcher, "--module", "coopstudy", "worker", *worker_args]
+
+
+def _world_info(devices: list[str]) -> str:
+    """The per-node launcher's --world_info: this host's device ids, as the
+    DeepSpeed runner encodes them (JSON, URL-safe base64)."""
+    return base64.urlsafe_b64encode(json.dumps({"localhost": [int(d) for d in devices]}).encode()).decode()
 
 
 def _signal_name(number: int) -> str | None:
@@ -293,8 +310,8 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop the process and everything it started (the DeepSpeed runner does
-    not pass a SIGTERM on to its ranks on one host): ask, then insist."""
+    """Stop the process and everything it started (the `deepspeed` runner
+    does not pass a SIGTERM on to its ranks): ask, then insist."""
     stop_processes(_tree(proc), STOP_GRACE_S)
     proc.wait()
 

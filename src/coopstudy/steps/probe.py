@@ -85,7 +85,7 @@ def _candidates(cfg: Config) -> list[tuple[ProbeCandidate, Config]]:
 def _context(cfg: Config, req: dict[str, str]) -> dict[str, Any]:
     """What every receipt of the sweep shares: versions and hashes."""
     sources_sha, numerical = sources.numerical_sources_sha256()
-    training = {name: workspace.sha256_file(sources.PACKAGE / name) for name in ("run/worker.py", "run/launch.py", "run/capacity.py")}
+    training = {name: workspace.sha256_file(sources.PACKAGE / name) for name in ("run/worker.py", "run/launch.py", "run/one_host_launcher.py", "run/capacity.py")}
     versions = sources.library_versions()
     for name in ("deepspeed", "mlflow"):
         try:
