@@ -81,6 +81,16 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     assert control[1:4] == ["-m", "coopstudy", "worker"] and "deepspeed" not in " ".join(control)
 
 
+def test_the_compressed_arm_keeps_the_gpus_this_job_was_given(monkeypatch):
+    monkeypatch.setattr(launch.machine, "cuda_available", lambda: True)
+    cfg = config.load("tiny")
+    for visible, given in [("3,1,0", [3, 1]), ("GPU-5f1c,GPU-77ab,GPU-0e2d", ["GPU-5f1c", "GPU-77ab"])]:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        cmd = launch.command(cfg, "compressed", "RUN")
+        (world,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
+        assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": given}
+
+
 def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
     monkeypatch.setenv("MLFLOW_RUN_ID", "the-project-run")
     cfg = config.load("tiny", ["train.threads_per_device=3"])

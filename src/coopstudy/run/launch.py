@@ -206,8 +206,11 @@ def command(
 
 def _world_info(devices: list[str]) -> str:
     """The per-node launcher's --world_info: this host's device ids, as the
-    DeepSpeed runner encodes them (JSON, URL-safe base64)."""
-    return base64.urlsafe_b64encode(json.dumps({"localhost": [int(d) for d in devices]}).encode()).decode()
+    DeepSpeed runner encodes them (JSON, URL-safe base64). The launcher only
+    joins them into its ranks' CUDA_VISIBLE_DEVICES, so a GPU named by UUID
+    passes as it is (the runner's --include takes indices only)."""
+    ids = [int(d) if d.isdigit() else d for d in devices]
+    return base64.urlsafe_b64encode(json.dumps({"localhost": ids}).encode()).decode()
 
 
 def _signal_name(number: int) -> str | None:
