@@ -49,6 +49,7 @@ from coopstudy import machine, workspace
 from coopstudy.config import TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
+from coopstudy.run import one_host_launcher
 
 EXPANDABLE = "expandable_segments:True"
 # A process still alive this long after being asked to stop is killed.
@@ -197,8 +198,10 @@ def command(
     devices = _visible_gpus()[:workers] if machine.cuda_available() else [str(i) for i in range(workers)]
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError(NO_DEEPSPEED)
+    # Started by name; imported above all the same, so that the steps and the
+    # plan, which bind the sources a module imports, bind it with this one.
     launcher = [
-        sys.executable, "-u", "-m", "coopstudy.run.one_host_launcher", f"--world_info={_world_info(devices)}",
+        sys.executable, "-u", "-m", one_host_launcher.__name__, f"--world_info={_world_info(devices)}",
         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
     ]  # fmt: skip
     return [*launcher, "--module", "coopstudy", "worker", *worker_args]
