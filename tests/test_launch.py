@@ -61,14 +61,19 @@ def test_the_lock_is_free_again_after_the_holder_ends():
         pass
 
 
+def _world_info(cmd: list[str]) -> dict:
+    """The per-node launcher's --world_info in `cmd`, decoded as it decodes it."""
+    (word,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
+    return json.loads(base64.urlsafe_b64decode(word))
+
+
 def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = config.load("tiny")
     one_host = launch.command(cfg, "compressed", "RUN")
     # DeepSpeed's per-node launcher, given this host's two devices as the runner would.
     assert one_host[1:4] == ["-u", "-m", "coopstudy.run.one_host_launcher"]
-    (world,) = [a.split("=", 1)[1] for a in one_host if a.startswith("--world_info=")]
-    assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": [0, 1]}
+    assert _world_info(one_host) == {"localhost": [0, 1]}
     assert one_host[one_host.index("--module") + 1 :][:2] == ["coopstudy", "worker"]
     assert one_host[one_host.index("--run-id") + 1] == "RUN"
     hostfile = tmp_path / "hostfile"
@@ -86,9 +91,7 @@ def test_the_compressed_arm_keeps_the_gpus_this_job_was_given(monkeypatch):
     cfg = config.load("tiny")
     for visible, given in [("3,1,0", [3, 1]), ("GPU-5f1c,GPU-77ab,GPU-0e2d", ["GPU-5f1c", "GPU-77ab"])]:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        cmd = launch.command(cfg, "compressed", "RUN")
-        (world,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--world_info=")]
-        assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": given}
+        assert _world_info(launch.command(cfg, "compressed", "RUN")) == {"localhost": given}
 
 
 def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
