@@ -5,8 +5,9 @@ On one host the runner only turns --num_gpus into the launcher's
 --world_info and starts it: a second Python process, one after the other,
 each importing all of deepspeed before any rank starts. Neither uses MLflow,
 which deepspeed imports when it can (for its autotuner): here it cannot.
-Together 6.5 s of every launch on the avx512_bf16 EPYC (a launch of two
-trivial ranks: 10.8 s through the runner, 4.3 s this way). The ranks are
+Together about 6.5 s of every launch on the avx512_bf16 EPYC (a launch of
+two trivial ranks, five times each: 10.5–11.9 s through the runner,
+4.1–4.7 s this way). The ranks are
 processes of their own and import what they need."""
 
 import runpy
