@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import mlflow
 import pytest
 import torch
+from rich.console import Console
 
-from coopstudy import bench, config
+from coopstudy import config
+from coopstudy.bench import arms, objective
 from coopstudy.numerics import flops
 from coopstudy.record import schema, store
 
@@ -78,7 +80,7 @@ def test_bench_arms_refuses_without_prepared_inputs(cli):
 
 
 def test_bench_objective_computes_real_tokens_only(tiny_seed, capsys):
-    result = bench.bench_objective(config.load("tiny"), updates=1, source="synthetic", console=bench.Console(width=140))
+    result = objective.measure(config.load("tiny"), updates=1, source="synthetic", console=Console(width=140))
     assert result[f"{schema.M_BENCH_PADDING_PREFIX}sorted/control"] == 1.0
     assert result[f"{schema.M_BENCH_PADDING_PREFIX}unsorted/compressed"] == 1.0
     assert result[schema.M_BENCH_LOSS_REL_GAP] < 1e-4
@@ -105,5 +107,5 @@ def test_training_flops_count_every_token_the_output_layer_at_targets_and_attent
 
 def test_the_matmul_peak_is_measured_in_bounded_time():
     torch.set_num_threads(1)
-    gflops = bench.matmul_peak_gflops(torch.float32, torch.device("cpu"), seconds=0.05)
+    gflops = arms.matmul_peak_gflops(torch.float32, torch.device("cpu"), seconds=0.05)
     assert gflops > 0 and math.isfinite(gflops)

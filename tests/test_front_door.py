@@ -97,6 +97,22 @@ def test_no_entry_point_parameter_is_also_a_config_param():
     assert not declared & logged
 
 
+def test_help_lists_every_command_without_loading_torch(cli):
+    # `coopstudy --help` is a researcher's first command: it answers in a
+    # fraction of a second because no listed command's module imports torch to describe itself.
+    from coopstudy import cli as parser
+
+    done = cli("--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("    ") and line[4] != " "]
+    assert listed == [c for c in (*parser.STEPS, *parser.TOOLS) if c not in parser.UNLISTED]
+    heavy = ("torch", "transformers", "mlflow", "pandas")
+    probe = f"import sys; from coopstudy import cli; cli.build_parser(); print(sorted(set({heavy!r}) & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.strip() == "[]"
+
+
 def test_two_projects_sharing_one_environment_keep_their_own_study_files(project, tmp_path, tiny_seed_home):
     other = Project(checkout_copy(tmp_path / "other"), tiny_seed_home)
     # The other copy runs this copy's package: one environment, two projects.

@@ -28,6 +28,9 @@ from coopstudy.errors import UserError
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
 TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
+# Started by `train` and `probe`, never by hand, so `--help` does not list it:
+# the training loop's module imports torch, and listing it would cost seconds.
+UNLISTED = ("worker",)
 DEFAULT_PRESET = "smollm2-135m-cpu"
 
 
@@ -81,7 +84,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
-    for name in (*STEPS, *TOOLS) if only is None else (only,):
+    for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
         module = _module(name)
         p = sub.add_parser(
             name,

@@ -1,0 +1,102 @@
+"""Benchmarks that print a table and log it to MLflow (not timed tests).
+
+    python -m coopstudy bench objective --preset tiny|smollm2-135m-cpu [--updates 2]
+    python -m coopstudy bench arms --preset smollm2-135m-cpu [--updates 8] [--arm control|compressed|both]
+    python -m coopstudy bench generate --preset smollm2-135m-cpu [--items 32]
+
+(`python -m coopstudy.bench ...` is the same command.)
+
+`objective`: the batched training update (the control arm's microbatches,
+length-sorted and packed, one process) against the per-document reference
+(each document alone) on the same documents from the same weights, in one
+run, with torch.set_num_threads(train.threads_per_device): milliseconds per
+update, their ratio, the loss of both (they must agree), the padding
+efficiency of the updates it ran (real tokens / computed positions: 1.0,
+packed) and, for scale, what right-padding each microbatch would compute,
+for both arms' shapes, sorted and unsorted.
+
+`arms`: both arms' real training loops, one after the other (control first),
+each launched exactly as `train` launches it (coopstudy.run.launch: the
+control one plain `python -m coopstudy worker` process, the compressed arm
+that command under the DeepSpeed launcher, with the same environment and
+thread settings), for --updates updates of the committed schedule without a
+checkpoint, under the device lock. Launching both, rather than running the
+control inside this process, keeps the measured loops the ones `train` runs
+(their threads, allocator settings and environment), so the ratio is the
+study's. Needs prepared inputs (`prepare`). Each arm writes a child run
+(stage bench) with the per-update metrics and time breakdown of `train`;
+the parent run bench-arms-<preset> gets, per phase (updates
+1..powersgd.dense_updates dense, the rest compressed), the median seconds per
+update of each arm, their ratio, the median breakdown, the compute-only
+ratio (what the ratio would be if gradient communication and recording were
+free), the training FLOP/s each device achieved and the single-thread
+matmul peak measured in the same run (before and after the arms) that it is
+a fraction of.
+
+Documents come from the prepared inputs of the preset when they exist
+(`prepare` has run); otherwise synthetic documents of realistic shape are
+made and the table says so: task documents of 80-220 tokens whose last 2-10
+tokens are answer tokens of weight 8, and replay documents of 150 tokens up to
+data.max_context that alternate prompt (0) and assistant (1) segments, three
+tasks to one replay document as in the protocol, in the preset's schedule
+shape (train.updates global batches of train.global_batch).
+
+`generate`: batched against one-at-a-time greedy generation on the seed model.
+Draws test-like cases (the families and test seed of the preset, the prompt
+form of the final test; nothing from the prepared files is needed), generates
+their answers once prompt by prompt and once in batches of
+evaluate.batch_size, prints cases/s for both and the speed-up, and checks that
+both give the same tokens for every case (exit 1 if not). Also prints the
+seed's strict accuracy per family on these cases. Evaluation is not a timed
+arm: torch keeps its default thread count, which is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from coopstudy import ui
+from coopstudy.config import ARMS, Config
+from coopstudy.errors import UserError
+
+# Each benchmark is a module of its own, imported when it runs: they import
+# torch and the model code, and `coopstudy --help` reads this one.
+HELP = "benchmarks: the packed update against the per-document reference; both arms' loops; batched generation"
+DESCRIPTION = __doc__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from coopstudy.cli import add_config_arguments
+
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = sub.add_parser("objective", help="batched update against the per-document reference")
+    add_config_arguments(p)
+    p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
+    p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
+                   help="prepared inputs, synthetic documents, or prepared when they exist (default)")  # fmt: skip
+    a = sub.add_parser("arms", help="both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
+    add_config_arguments(a)
+    a.add_argument("--updates", type=int, default=None,
+                   help="updates of each arm (default: powersgd.dense_updates + 5, at most train.updates)")  # fmt: skip
+    a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
+    g = sub.add_parser("generate", help="batched against one-at-a-time greedy generation on the seed model")
+    add_config_arguments(g)
+    g.add_argument("--items", type=int, default=32, help="test cases to generate (default 32)")
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    if args.bench == "generate":
+        from coopstudy.bench import generate
+
+        return generate.measure(cfg, args.items)
+    if args.bench == "arms":
+        from coopstudy.bench import arms
+
+        arms.measure(cfg, updates=args.updates, arms=ARMS if args.arm == "both" else (args.arm,), console=ui.console(120))
+        return 0
+    if args.updates < 1:
+        raise UserError("--updates: at least 1")
+    from coopstudy.bench import objective
+
+    objective.measure(cfg, updates=args.updates, source=args.documents, console=ui.console(110))
+    return 0
