@@ -40,14 +40,15 @@ UPDATE_METRICS = {
     "comm_arithmetic_seconds": schema.M_COMM_ARITHMETIC_SECONDS,
     "optimizer_seconds": schema.M_OPTIMIZER_SECONDS,
     "other_seconds": schema.M_OTHER_SECONDS,
+    "system_seconds": schema.M_SYSTEM_SECONDS,
     "record_seconds": schema.M_RECORD_SECONDS,
 }
 BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")
 """Where rank 0's seconds of an update went (update_seconds is the first four; recording is outside it)."""
-BREAKDOWN_JSON = ("update_seconds", *BREAKDOWN, "comm_arithmetic_seconds")
-"""What report.json's breakdown holds per phase and arm: the update, its parts, and the part of comm that
-is PowerSGD's arithmetic. report.md's table leaves the last out: the run's description is report.md,
-and MLflow keeps at most 8,000 characters of it."""
+BREAKDOWN_JSON = ("update_seconds", *BREAKDOWN, "comm_arithmetic_seconds", "system_seconds")
+"""What report.json's breakdown holds per phase and arm: the update, its parts, the part of comm that is
+PowerSGD's arithmetic, and the operating system's seconds across the parts. report.md's table leaves the
+last two out: the run's description is report.md, and MLflow keeps at most 8,000 characters of it."""
 RUN_METRICS = {
     "active_seconds": schema.M_ACTIVE_SECONDS,
     "complete_seconds": schema.M_COMPLETE_SECONDS,

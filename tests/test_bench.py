@@ -55,8 +55,9 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         # The train loop's per-update record: every part of the breakdown, at every update.
         for key in (schema.M_UPDATE_SECONDS, schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS, schema.M_COMM_ARITHMETIC_SECONDS,
-                    schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_RECORD_SECONDS):  # fmt: skip
+                    schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_SYSTEM_SECONDS, schema.M_RECORD_SECONDS):  # fmt: skip
             assert [p.step for p in client.get_metric_history(child.info.run_id, key)] == list(range(1, updates + 1)), key
+        assert all(p.value >= 0 for p in client.get_metric_history(child.info.run_id, schema.M_SYSTEM_SECONDS))
         parts = {
             key: {p.step: p.value for p in client.get_metric_history(child.info.run_id, key)}
             for key in (schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS, schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS)
@@ -68,7 +69,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         summary = json.loads(store.download_artifact(child.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path / arm).read_text())
         assert summary["padding_efficiency"] == 1.0
         assert len(summary["times_by_rank"]) == (2 if arm == "compressed" else 1)
-        assert all(len(r["forward_backward"]) == updates for r in summary["times_by_rank"])
+        assert all(len(r["forward_backward"]) == updates == len(r["system"]) for r in summary["times_by_rank"])
     (compressed,) = _runs("attributes.run_name = 'bench-arms-compressed-tiny'")
     assert compressed.data.metrics[schema.M_BYTES_COMPRESSED] > 0
 

@@ -201,6 +201,28 @@ def test_the_update_says_where_its_seconds_went(cfg):
     assert result.computed_tokens == result.local_tokens == result.tokens == sum(len(d.input_ids) for d in docs)
 
 
+def test_memory_first_touched_in_an_update_shows_as_its_system_seconds(cfg, monkeypatch):
+    docs = documents(6, seed=8)
+    lm = gate_model(0)
+    opt, sched = trainer(lm, cfg)
+    net = objective.WeightedNLL(lm)
+    step(net, opt, sched, docs, 4)
+    quiet = step(net, opt, sched, docs, 4).times
+    forward = objective.microbatch_loss
+
+    def touching(*args, **kwargs):
+        # 512 MiB the process never had, one float written per 4 KiB page: glibc maps
+        # it fresh, the kernel faults in and zeroes every page (user time: microseconds).
+        torch.empty(2**27).view(-1, 1024)[:, 0].fill_(1.0)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(objective, "microbatch_loss", touching)
+    touched = step(net, opt, sched, docs, 4).times
+    assert 0 <= quiet.system < 0.1
+    # Faulting the pages in is most of what the touch added to the update, and it is the kernel's time.
+    assert touched.system - quiet.system > 0.5 * (touched.forward_backward - quiet.forward_backward) > 0.05
+
+
 def test_training_steps_with_fused_adamw_and_the_reference_with_the_per_tensor_loop(cfg):
     params = list(gate_model(0).parameters())
     assert update.build_optimizer(params, cfg.train).defaults["fused"] is True

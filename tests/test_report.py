@@ -48,6 +48,7 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                     schema.M_COMM_ARITHMETIC_SECONDS: 0.3 if arm == "compressed" and not dense else 0.0,
                     schema.M_OPTIMIZER_SECONDS: 0.1,
                     schema.M_OTHER_SECONDS: 0.01,
+                    schema.M_SYSTEM_SECONDS: 2.0 if update == 1 else (0.05 if arm == "control" else 0.02),
                     schema.M_RECORD_SECONDS: 0.0,
                 },
                 step=update,
@@ -232,6 +233,7 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert later["compressed"]["comm_seconds"] == 0.4 and dense["compressed"]["comm_seconds"] == 0.2
     assert dense["control"]["comm_seconds"] == 0.0
     assert later["compressed"]["comm_arithmetic_seconds"] == 0.3 and dense["compressed"]["comm_arithmetic_seconds"] == 0.0
+    assert later["control"]["system_seconds"] == 0.05 and later["compressed"]["system_seconds"] == 0.02
     assert "## Where an update's seconds went" in md and "| forward backward |" in md
     assert "Where an update's seconds went" in first_out
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)

@@ -27,6 +27,7 @@ _PARTS = (
     ("comm_arithmetic", schema.M_COMM_ARITHMETIC_SECONDS),
     ("optimizer", schema.M_OPTIMIZER_SECONDS),
     ("other", schema.M_OTHER_SECONDS),
+    ("system", schema.M_SYSTEM_SECONDS),
     ("record", schema.M_RECORD_SECONDS),
     ("tokens", schema.M_TOKENS),
 )
@@ -190,7 +191,7 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
         by_rank = results["compressed"]["summary"]["times_by_rank"]
         table = Table(title="compressed arm by rank: median s/update, all updates")
         table.add_column("rank")
-        columns = ("forward_backward", "communication", "communication_arithmetic", "optimizer", "other")
+        columns = ("forward_backward", "communication", "communication_arithmetic", "optimizer", "other", "system")
         for part in columns:
             table.add_column(part, justify="right")
         for r, parts in enumerate(by_rank):

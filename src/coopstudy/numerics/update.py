@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,14 @@ class UpdateTimes:
     """Of `communication`, not beside it: PowerSGD's own arithmetic on this
     worker (distributed.UpdateBytes.arithmetic_seconds); the rest of
     `communication` is collectives and waits."""
+    system: float = 0.0
+    """Across the parts, not beside them: the CPU seconds the operating system
+    spent on this worker's process (all its threads; `sys` in time(1)) from
+    zeroing the gradients to the end of the update. On CPU it is mostly page
+    faults: memory the process touches for the first time (an update larger
+    than any before it), which a virtual machine may also have to back with
+    host memory first (README, "What stays on CPU, and why"). A process that
+    keeps its freed memory (launch.TRAINING_MALLOC) pays it once per size."""
 
     @property
     def total(self) -> float:
@@ -126,6 +135,10 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _system_seconds() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so the clock times it (no-op on CPU)."""
     if device.type == "cuda":
@@ -155,6 +168,7 @@ def run_update(
     if total_weight <= 0:
         raise ValueError("the global batch has no weighted token (W_k = 0); the objective is undefined")
     start = time.perf_counter()
+    system_start = _system_seconds()
     # In place, not set_to_none: under DDP the gradients are views into its
     # buckets (gradient_as_bucket_view); zeroing keeps them resident.
     optimizer.zero_grad(set_to_none=False)
@@ -201,6 +215,7 @@ def run_update(
     loss_sum, tokens = distributed.all_reduce_sums([local_loss, local_tokens], counter)
     comm = counter.end_update() if counter is not None else None
     end = time.perf_counter()
+    system = _system_seconds() - system_start
     hook = comm.hook_seconds if comm is not None else 0.0
     times = UpdateTimes(
         forward_backward=step_start - compute_start - hook,
@@ -208,6 +223,7 @@ def run_update(
         communication_arithmetic=comm.arithmetic_seconds if comm is not None else 0.0,
         optimizer=(compute_start - start) + (step_end - step_start),
         other=prepare_seconds + (end - step_end),
+        system=system,
     )
     return UpdateResult(
         loss=loss_sum,

@@ -263,6 +263,11 @@ taking their norm, clipping, and the AdamW and schedule steps."""
 M_OTHER_SECONDS = "train/other_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's remaining update seconds
 (packing the microbatches, reading the loss, the loss and token sums across ranks)."""
+M_SYSTEM_SECONDS = "train/system_seconds"
+"""On train arm, probe candidate and bench-arms runs, per update: CPU seconds the operating system spent
+on rank 0's process (all its threads) during the update, across its parts rather than beside them; on
+CPU mostly page faults of memory the process touches for the first time (an update larger than any
+before it)."""
 M_RECORD_SECONDS = "train/record_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds writing the record
 inside the training window just before the update started (per-update metrics wait in memory and are

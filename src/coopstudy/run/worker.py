@@ -179,6 +179,7 @@ def train(
                                 schema.M_COMM_ARITHMETIC_SECONDS: t.communication_arithmetic,
                                 schema.M_OPTIMIZER_SECONDS: t.optimizer,
                                 schema.M_OTHER_SECONDS: t.other,
+                                schema.M_SYSTEM_SECONDS: t.system,
                                 schema.M_RECORD_SECONDS: record_seconds,
                             },
                             k,
