@@ -75,10 +75,10 @@ class UpdateTimes:
     """Across the parts, not beside them: the CPU seconds the operating system
     spent on this worker's process (all its threads; `sys` in time(1)) from
     zeroing the gradients to the end of the update. On CPU it is mostly page
-    faults: memory the process touches for the first time (an update larger
-    than any before it), which a virtual machine may also have to back with
-    host memory first (README, "What stays on CPU, and why"). A process that
-    keeps its freed memory (launch.TRAINING_MALLOC) pays it once per size."""
+    faults of memory new to the process: its first updates, and any later one
+    whose tensors do not fit the holes its heap has (README, "What stays on
+    CPU, and why"); a virtual machine may have to back such memory with host
+    memory first."""
 
     @property
     def total(self) -> float:

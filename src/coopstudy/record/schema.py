@@ -266,8 +266,8 @@ M_OTHER_SECONDS = "train/other_seconds"
 M_SYSTEM_SECONDS = "train/system_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: CPU seconds the operating system spent
 on rank 0's process (all its threads) during the update, across its parts rather than beside them; on
-CPU mostly page faults of memory the process touches for the first time (an update larger than any
-before it)."""
+CPU mostly page faults of memory new to the process (its first updates, and any later one that grows
+its heap)."""
 M_RECORD_SECONDS = "train/record_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds writing the record
 inside the training window just before the update started (per-update metrics wait in memory and are
