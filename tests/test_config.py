@@ -3,6 +3,10 @@ with one line and exit 2."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from coopstudy import config, machine
@@ -96,6 +100,24 @@ def test_cli_unknown_preset(cli):
     res = cli("prepare", "--preset", "nope", "--dry-run")
     assert res.returncode == 2
     assert "unknown preset 'nope'" in res.stderr and "tiny" in res.stderr
+
+
+def test_outside_the_project_a_preset_name_says_where_presets_are_looked_for(tmp_path):
+    # Presets are the project's configs/: from a folder outside it, a name
+    # finds none, and the line says where it looked and what to do.
+    res = subprocess.run(
+        [sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny", "--dry-run"],
+        cwd=tmp_path,
+        env={**os.environ, "COOPSTUDY_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"coopstudy prepare: error: no presets in {tmp_path.resolve() / 'configs'}: run from the project "
+        "(a folder with MLproject, or below it), or give --preset a path to a YAML file"
+    )
 
 
 def test_dry_run_prints_resolved_config(cli):

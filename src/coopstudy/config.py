@@ -300,7 +300,13 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if path.suffix not in (".yaml", ".yml"):
         path = workspace.project_root() / PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
-        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(preset_names())}")
+        names = preset_names()
+        if not names:
+            raise ConfigError(
+                f"no presets in {path.parent}: run from the project (a folder with MLproject, or below it), "
+                "or give --preset a path to a YAML file"
+            )
+        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
