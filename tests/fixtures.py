@@ -58,11 +58,12 @@ def faults_of_a_large_tensor_made_again(env: dict[str, str] | None = None, setup
     return int(done.stdout.split()[-1])
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m coopstudy ARGS` as a user runs it, in the test's store."""
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m coopstudy ARGS` as a user runs it, in the test's store, from
+    `cwd` (the project unless a test starts it elsewhere)."""
     return subprocess.run(
         [sys.executable, "-m", "coopstudy", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,

@@ -3,10 +3,6 @@ with one line and exit 2."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from coopstudy import config, machine
@@ -102,17 +98,10 @@ def test_cli_unknown_preset(cli):
     assert "unknown preset 'nope'" in res.stderr and "tiny" in res.stderr
 
 
-def test_outside_the_project_a_preset_name_says_where_presets_are_looked_for(tmp_path):
+def test_outside_the_project_a_preset_name_says_where_presets_are_looked_for(cli, tmp_path):
     # Presets are the project's configs/: from a folder outside it, a name
     # finds none, and the line says where it looked and what to do.
-    res = subprocess.run(
-        [sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny", "--dry-run"],
-        cwd=tmp_path,
-        env={**os.environ, "COOPSTUDY_HOME": str(tmp_path / "home")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = cli("prepare", "--preset", "tiny", "--dry-run", env={"COOPSTUDY_HOME": str(tmp_path / "home")}, cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip() == (
         f"coopstudy prepare: error: no presets in {tmp_path.resolve() / 'configs'}: run from the project "
