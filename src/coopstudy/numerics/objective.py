@@ -125,7 +125,7 @@ def document_attention(
     # split, not slices: the backward of a slice fills a row-sized zero
     # tensor per document, the backward of a split is one concatenation.
     documents = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
-    with _document_kernels(query.device.type):
+    with _document_kernels(query.device.type, backward=torch.is_grad_enabled()):
         parts = [
             F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=q.shape[2] > 1, **gqa)
             for q, k, v in documents
@@ -134,15 +134,18 @@ def document_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _document_kernels(device_type: str) -> ContextManager:
+def _document_kernels(device_type: str, *, backward: bool) -> ContextManager:
     """The context document_attention's SDPA calls run in.
 
-    On CPU, the math kernel only: for documents of a few hundred tokens it
-    is about twice as fast as the CPU flash kernel, whose backward was a
-    fifth of the control's update (bf16, one thread, 4 documents of 60-170
-    tokens: 7.6 against 14.1 ms per layer, forward and backward). Elsewhere
-    SDPA chooses, unrestricted."""
-    if device_type == "cpu":
+    On CPU, for a forward that autograd records, the math kernel only: for
+    documents of a few hundred tokens it is about twice as fast as the CPU
+    flash kernel, whose backward was a fifth of the control's update (bf16,
+    one thread, 4 documents of 60-170 tokens: 7.6 against 14.1 ms per layer,
+    forward and backward). Without a backward (the retention probes,
+    scoring), and elsewhere, SDPA chooses, unrestricted: the flash kernel's
+    forward alone is the faster (fp32, two threads, the CPU preset's 128
+    probes: 35.9 s against 39.4 s)."""
+    if device_type == "cpu" and backward:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 
@@ -169,6 +172,20 @@ def _attention(lm: nn.Module, implementation: str) -> Iterator[None]:
         config._attn_implementation = previous
 
 
+def packed_hidden(lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    """The decoder's last hidden state [1, N, hidden] of a packed row
+    (batching.pack), each document seeing only itself: the training forward's,
+    and the retention probes' (scoring)."""
+    # No attention mask: document_attention gets the documents' bounds
+    # instead, and an attention function transformers has no mask function
+    # for gets no mask built. No cache (config.use_cache is True; a cache
+    # would change the path).
+    with _attention(lm, DOCUMENT_ATTENTION):
+        return lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, document_bounds=tuple(bounds)
+        ).last_hidden_state
+
+
 class WeightedNLL(nn.Module):
     """A causal LM whose forward returns Σ w·nll of one packed microbatch.
 
@@ -184,14 +201,7 @@ class WeightedNLL(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, weights: torch.Tensor, bounds: Sequence[int]
     ) -> torch.Tensor:
-        # No attention mask: document_attention gets the documents' bounds
-        # instead, and an attention function transformers has no mask
-        # function for gets no mask built. No cache (config.use_cache is True;
-        # a cache would change the path).
-        with _attention(self.lm, DOCUMENT_ATTENTION):
-            hidden = self.lm.get_decoder()(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, document_bounds=tuple(bounds)
-            ).last_hidden_state
+        hidden = packed_hidden(self.lm, input_ids, position_ids, bounds)
         # Token i is predicted from position i-1. Positions whose target weighs 0
         # (prompt tokens, every document's first token) add exactly 0 to the
         # sum, so their logits, the largest matmul of a small model, are never
