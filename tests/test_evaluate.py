@@ -121,15 +121,31 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [chat.prompt_ids(tokenizer, tasks.task_messages(q)) for q in questions * 2]
 
 
+def _plain_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """One prompt alone through transformers' generate: no padding, no shared prefix."""
+    with torch.inference_mode():
+        seq = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return seq[0, len(prompt) :].tolist()
+
+
 def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model, tokenizer):
     prompts = _prompts(tokenizer)
-    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    assert len({len(p) for p in prompts}) > 1  # padding is exercised
+    assert scoring.shared_prefix(prompts) > 0  # and the shared prefix, computed once per batch
     common = {"max_new_tokens": 12, "stop": scoring.stop_ids(tokenizer), "pad_id": scoring.padding_id(tokenizer)}
     alone = scoring.generate(model, prompts, batch_size=1, **common)
     batched = scoring.generate(model, prompts, batch_size=3, **common)
     assert batched == alone
+    assert [g.tokens for g in alone] == [_plain_greedy(model, p, 12) for p in prompts]
     assert len({tuple(g.tokens) for g in alone}) > 1
     assert all(len(g.tokens) == 12 and not g.finished for g in alone)
+
+
+def test_the_shared_prefix_leaves_every_prompt_a_token_of_its_own():
+    assert scoring.shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
+    assert scoring.shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2
+    assert scoring.shared_prefix([[7, 2], [1, 2]]) == 0
+    assert scoring.shared_prefix([[1, 2, 3]]) == 2
 
 
 def test_generation_stops_at_end_of_turn(model, tokenizer):

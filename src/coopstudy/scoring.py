@@ -1,8 +1,9 @@
 """Scoring one model: greedy answers to the final test, judged by each family's
 own reasoning-gym verifier, and the retention probes' per-document NLL.
 
-Generation is batched: prompts sorted by length, left-padded, decoded with a
-KV cache, each sequence stopped at its end of turn. Run in fp32, it gives
+Generation is batched: prompts sorted by their tokens, the prefix a batch
+shares computed once, each prompt's own tokens left-padded after it, decoded
+with a KV cache, each sequence stopped at its end of turn. Run in fp32, it gives
 the same tokens as one prompt at a time (`python -m coopstudy bench generate`
 checks this and measures the speed-up).
 
@@ -198,6 +199,17 @@ class Generated:
     """False when max_new_tokens cut the answer short."""
 
 
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all `prompts` share, short of the shortest's
+    last: generation starts from a token of each prompt's own."""
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
 def generate(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -216,24 +228,35 @@ def generate(
         do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_id
     )
     device = next(model.parameters()).device
-    # Longest first: similar lengths share a batch (little padding), and a
-    # batch too large for memory fails at once rather than at the end.
-    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    # Sorted by their tokens: the prompts of a batch share a long prefix (the
+    # chat template's system turn, a family's wording), computed once per
+    # batch, and a family's prompts have similar lengths (little padding).
+    order = sorted(range(len(prompts)), key=lambda i: (list(prompts[i]), i))
     out: list[Generated | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
+        shared = shared_prefix([prompts[i] for i in rows])
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
+        ids[:, :shared] = torch.tensor(list(prompts[rows[0]][:shared]), dtype=torch.long)
+        mask[:, :shared] = 1
         for r, i in enumerate(rows):
-            # Left padding: every prompt ends where generation starts. generate()
+            # Padding between the shared prefix and each prompt's own tokens:
+            # every prompt ends where generation starts, and generate()
             # derives position ids from the mask, so a padded prompt sees the
             # same positions as it would alone.
-            n = len(prompts[i])
-            ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            mask[r, width - n :] = 1
+            own = list(prompts[i][shared:])
+            ids[r, width - len(own) :] = torch.tensor(own, dtype=torch.long)
+            mask[r, width - len(own) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
         with torch.inference_mode():
-            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings)
+            # The shared prefix is computed once, its keys and values copied to every row.
+            cache = None
+            if shared:
+                cache = model.get_decoder()(input_ids=ids[:1, :shared], use_cache=True).cache
+                cache.batch_repeat_interleave(len(rows))
+            seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings, cache=cache)
         for r, i in enumerate(rows):
             new = seqs[r, width:].tolist()
             cut = next((k for k, t in enumerate(new) if t in stop), None)
