@@ -293,7 +293,8 @@ def retention_nll(model: Any, documents: Sequence[Any], *, batch_size: int, prog
         # Position t predicts token t + 1; pack weighs every document's first
         # token 0, so no prediction crosses a document boundary.
         targets = mb.weights[0, 1:] > 0
-        doc_of = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(documents[i].input_ids) for i in rows]))[1:][targets.cpu()]
+        # The document of each predicting position: the row's bounds say where each lies.
+        doc_of = torch.repeat_interleave(torch.tensor(rows), torch.tensor(mb.bounds).diff())[1:][targets.cpu()]
         if len(doc_of):
             with torch.inference_mode():
                 picked = objective.packed_hidden(model, mb.input_ids, mb.position_ids, mb.bounds)[0, :-1][targets]
