@@ -213,16 +213,19 @@ def test_memory_first_touched_in_an_update_shows_as_its_system_seconds(cfg, monk
     forward = objective.microbatch_loss
 
     def touching(*args, **kwargs):
-        # 512 MiB the process never had, one float written per 4 KiB page: glibc maps
+        # 1 GiB the process never had, one float written per 4 KiB page: glibc maps
         # it fresh, the kernel faults in and zeroes every page (user time: microseconds).
-        torch.empty(2**27).view(-1, 1024)[:, 0].fill_(1.0)
+        torch.empty(2**28).view(-1, 1024)[:, 0].fill_(1.0)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(objective, "microbatch_loss", touching)
     touched = step(net, opt, sched, docs, 4).times
     assert 0 <= quiet.system < 0.1
-    # Faulting the pages in is most of what the touch added to the update, and it is the kernel's time.
-    assert touched.system - quiet.system > 0.5 * (touched.forward_backward - quiet.forward_backward) > 0.05
+    # Only a floor, not a share of the seconds the touch added: in a virtual machine the
+    # host backing memory new to the guest adds wall seconds that no counter of the guest
+    # sees (for 512 MiB, CI measured 0.14 s of system time in 0.37 s added; this machine 0.45 in 0.30).
+    assert touched.system - quiet.system > 0.05
+    assert touched.forward_backward - quiet.forward_backward > 0.05
 
 
 def test_training_steps_with_fused_adamw_and_the_reference_with_the_per_tensor_loop(cfg):
