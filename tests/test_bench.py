@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import mlflow
@@ -88,6 +89,15 @@ def test_bench_objective_computes_real_tokens_only(tiny_seed, capsys):
     out = capsys.readouterr().out
     assert "padding efficiency, measured (real / computed tokens)" in out and "1.000" in out
     assert "M parameters, fp32, 1 thread(s)" in out
+    # One line per update, warm-up included, with its tokens: together every token measured.
+    lines = re.findall(
+        r"update (\d)(?: \(warm-up\))?: ([\d,]+) tokens; batched [\d.]+ s \([\d.]+ s of it the kernel's\),"
+        r" per-document [\d.]+ s: [\d.]+x",
+        out,
+    )
+    assert [n for n, _ in lines] == ["1", "2"]
+    real = re.search(r"padding efficiency, measured \(real / computed tokens\).*?1\.000 \(([\d,]+) / ", out, re.S)
+    assert sum(int(t.replace(",", "")) for _, t in lines) == int(real.group(1).replace(",", ""))
 
 
 @dataclass(frozen=True)

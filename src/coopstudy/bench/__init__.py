@@ -13,7 +13,10 @@ run, with torch.set_num_threads(train.threads_per_device): milliseconds per
 update, their ratio, the loss of both (they must agree), the padding
 efficiency of the updates it ran (real tokens / computed positions: 1.0,
 packed) and, for scale, what right-padding each microbatch would compute,
-for both arms' shapes, sorted and unsorted.
+for both arms' shapes, sorted and unsorted. Each update prints as it ends:
+its real tokens (the rows differ in size, and the seconds follow them), both
+times, their ratio, and the batched update's seconds in the kernel (memory
+first touched, UpdateTimes.system).
 
 `arms`: both arms' real training loops, one after the other (control first),
 each launched exactly as `train` launches it (coopstudy.run.launch: the

@@ -105,7 +105,13 @@ def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict
             reference, ref_opt, ref_sched, [docs[i] for i in row], batching.total_weight(docs, row),
             precision=precision, grad_clip=cfg.train.grad_clip,
         )
-        console.print(f"update {k + 1}{' (warm-up)' if k == 0 else ''}: batched {got.seconds:.2f} s, per-document {want.seconds:.2f} s")
+        # Tokens and the kernel's seconds (memory first touched) say why one
+        # update is slower than another: the rows are not the same size.
+        console.print(
+            f"update {k + 1}{' (warm-up)' if k == 0 else ''}: {got.local_tokens:,} tokens;"
+            f" batched {got.seconds:.2f} s ({got.times.system:.2f} s of it the kernel's),"
+            f" per-document {want.seconds:.2f} s: {want.seconds / got.seconds:.2f}x"
+        )
         real_tokens += got.local_tokens
         computed_tokens += got.computed_tokens
         if k:
