@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -70,6 +71,10 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         summary = json.loads(store.download_artifact(child.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path / arm).read_text())
         assert summary["padding_efficiency"] == 1.0
         assert len(summary["times_by_rank"]) == (2 if arm == "compressed" else 1)
+        # The compressed arm's ranks each on a core of their own; the control left to the scheduler.
+        cores = sorted(os.sched_getaffinity(0))
+        own = [[cores[0]], [cores[1]]] if len(cores) >= 2 else [None, None]
+        assert summary["cores_by_rank"] == (own if arm == "compressed" else [None])
         assert all(len(r["forward_backward"]) == updates == len(r["system"]) for r in summary["times_by_rank"])
     (compressed,) = _runs("attributes.run_name = 'bench-arms-compressed-tiny'")
     assert compressed.data.metrics[schema.M_BYTES_COMPRESSED] > 0

@@ -11,6 +11,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,7 +95,9 @@ def _train(cfg, ctx, measured: list[int], buckets: set[int]) -> dict:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"
+    )
     torch.set_num_threads(1)
     cfg = config.load("tiny", [f"powersgd.rank={RANK}", f"powersgd.dense_updates={DENSE_UPDATES}", "train.precision=bf16"])
     # What each rank really hands to all-reduce, whoever calls it (the DDP
@@ -131,6 +135,9 @@ def _rank(rank: int, port: int, out: str) -> None:
             result["bmm_hook"] = _train(cfg, ctx, measured, set())
         finally:
             distributed.powersgd_hook = ours
+        result["cores"] = ctx.cores
+        # Every thread of the rank (gloo's included), by the kernel's account.
+        result["thread_cores"] = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
         result["params"] = [p.tolist() for p in (result.pop("_params"), result["torch_hook"].pop("_params"))]
         result["bmm_hook"].pop("_params")
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -251,6 +258,52 @@ def test_bytes_counted_match_the_payload_handed_to_all_reduce_and_the_analytic_s
         assert result["totals"]["dense"] == DENSE_UPDATES * dense
         assert result["totals"]["compressed"] == (UPDATES - DENSE_UPDATES) * compressed
         assert result["totals"]["setup"] >= dense
+
+
+def test_each_rank_and_every_thread_it_starts_run_on_a_core_of_its_own(two_ranks):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    assert [r["cores"] for r in two_ranks] == [[cores[0]], [cores[1]]]
+    assert [r["thread_cores"] for r in two_ranks] == [[[cores[0]]], [[cores[1]]]]
+
+
+@pytest.mark.parametrize(
+    ("launcher_env", "overrides", "pinned"),
+    [
+        ({"LOCAL_SIZE": "2"}, [], True),  # DeepSpeed's launcher, both ranks here
+        ({"LOCAL_WORLD_SIZE": "2"}, [], True),  # torchrun's
+        ({"LOCAL_WORLD_SIZE": "2"}, ["distributed.pin_cores=false"], False),
+        ({"LOCAL_SIZE": "1"}, [], False),  # a node started by itself: the other may share the host
+        ({}, [], False),  # a launcher that does not say
+    ],
+)
+def test_ranks_are_pinned_only_when_all_run_here_and_the_config_asks(monkeypatch, launcher_env, overrides, pinned):
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(distributed.machine, "pin_rank", lambda *args: calls.append(args) or (7,))
+    # Only the decision is under test here: no process group is joined.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    ctx = distributed.init(config.load("tiny", overrides))
+    assert calls == ([(1, 2, 1)] if pinned else [])
+    assert ctx.cores == ((7,) if pinned else None)
+
+
+def test_a_rank_cannot_be_pinned_to_more_cores_than_the_process_may_use():
+    code = (
+        "import os; from coopstudy import machine; before = os.sched_getaffinity(0);"
+        "print(machine.pin_rank(0, len(before) + 1, 1), os.sched_getaffinity(0) == before)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["None", "True"]
 
 
 def test_compression_plan_follows_the_hooks_rule():

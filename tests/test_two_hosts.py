@@ -15,6 +15,7 @@ run is selected and evaluated like any other.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -204,6 +205,10 @@ def test_compressed_arm_started_node_by_node_is_the_record_selected_and_evaluate
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "train-compressed-tiny"
     assert run.data.tags[schema.TAG_CHECKPOINT_PATH] == str(planned.home / "checkpoints" / run_id)  # rank 0, node 0
+    # Each node says it runs one of the two ranks: neither can know the other
+    # shares this machine, so neither pins its rank to a core.
+    summary = json.loads(Path(client.download_artifacts(run_id, schema.ART_TRAIN_SUMMARY, str(tmp_path))).read_text())
+    assert summary["cores_by_rank"] == [None, None]
     two = _losses(client, run_id)
     one = _losses(client, planned.one_host_run)
     assert len(two) == len(one) == cfg.train.updates, (one, two)

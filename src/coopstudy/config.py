@@ -155,6 +155,11 @@ class DistributedConfig(_Section):
     """auto: nccl with CUDA, else gloo."""
     collective_timeout_s: float = Field(120.0, gt=0)
     """A rank that stops answering ends every rank after this long."""
+    pin_cores: bool = True
+    """CPU ranks that all run on one host each take train.threads_per_device
+    cores of their own, every thread of theirs included (machine.pin_rank);
+    false leaves them to the scheduler. The record says which:
+    train_summary.json's cores_by_rank."""
 
 
 class EvaluateConfig(_Section):

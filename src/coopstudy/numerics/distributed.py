@@ -70,6 +70,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from coopstudy import machine
 from coopstudy.config import Config
 from coopstudy.errors import UserError
 from coopstudy.numerics import onednn
@@ -93,6 +94,10 @@ class DistContext:
     device: torch.device
     backend: str | None
     """None: one process, no process group."""
+    cores: tuple[int, ...] | None = None
+    """The CPU cores this rank is pinned to (machine.pin_rank); None when it
+    is left to the scheduler: one process, a CUDA rank, distributed.pin_cores
+    false, or ranks of the job on other hosts (init)."""
 
     @property
     def distributed(self) -> bool:
@@ -136,6 +141,12 @@ def init(cfg: Config) -> DistContext:
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cores = None
+    # Only when every rank runs on this host (the launchers say how many do):
+    # ranks of a job started node by node may share one host under the same
+    # local ranks, and would then be pinned onto the same cores.
+    if device.type == "cpu" and cfg.distributed.pin_cores and _local_ranks() == world:
+        cores = machine.pin_rank(local_rank, world, cfg.train.threads_per_device)
     if not dist.is_initialized():
         # The timeout ends every rank when one stops answering, instead of
         # leaving the others blocked in a collective for ever.
@@ -146,7 +157,17 @@ def init(cfg: Config) -> DistContext:
             world_size=world,
             timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
         )
-    return DistContext(rank, world, local_rank, device, backend)
+    return DistContext(rank, world, local_rank, device, backend, cores)
+
+
+def _local_ranks() -> int:
+    """Ranks on this host as the launcher says (torchrun: LOCAL_WORLD_SIZE,
+    DeepSpeed: LOCAL_SIZE); 0 when it does not say."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        raw = os.environ.get(name, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
 
 
 def shutdown() -> None:

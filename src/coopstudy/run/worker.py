@@ -203,6 +203,7 @@ def train(
             saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
         memory = _gather_peak_memory(ctx)
         times_by_rank = _gather_times(ctx, times)
+        cores_by_rank = _gather_cores(ctx, cfg.train.threads_per_device)
         if rec is not None:
             summary = {
                 "arm": arm,
@@ -211,6 +212,8 @@ def train(
                 "device": str(ctx.device),
                 "host": socket.gethostname(),
                 "threads_per_device": cfg.train.threads_per_device,
+                # The CPU cores each rank was pinned to; null: left to the scheduler.
+                "cores_by_rank": cores_by_rank,
                 "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
                 "precision": precision.name,
                 "updates": len(schedule),
@@ -237,6 +240,11 @@ def _gather_peak_memory(ctx: distributed.DistContext) -> list[dict[str, float]]:
     """Every rank's peak memory (the figure that decides whether a setting fits a device)."""
     names = ("peak_rss_mb", "cuda_max_allocated_mb", "cuda_max_reserved_mb")
     return [dict(zip(names, values)) for values in distributed.gather_floats(_peak_memory_mb(ctx.device), ctx)]
+
+
+def _gather_cores(ctx: distributed.DistContext, threads: int) -> list[list[int] | None]:
+    mine = list(ctx.cores) if ctx.cores is not None else [-1] * threads
+    return [[int(c) for c in cores] if cores[0] >= 0 else None for cores in distributed.gather_floats(mine, ctx)]
 
 
 def _gather_times(ctx: distributed.DistContext, times: list[update.UpdateTimes]) -> list[dict[str, list[float]]]:
