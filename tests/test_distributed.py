@@ -1,8 +1,9 @@
 """distributed.py on two real gloo ranks: PowerSGD's dense-to-compressed switch
 under gradient accumulation, error feedback precision, one bucket, the byte
 count against what the ranks really hand to all-reduce, the hook's timing,
-and the project's PowerSGD hook against torch's: bit for bit with torch's
-kernels for P and Q, to fp32 rounding with oneDNN's (the training default on CPU)."""
+the cores each rank and its threads are pinned to, and the project's
+PowerSGD hook against torch's: bit for bit with torch's kernels for P and Q,
+to fp32 rounding with oneDNN's (the training default on CPU)."""
 
 from __future__ import annotations
 
