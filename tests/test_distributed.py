@@ -282,12 +282,8 @@ def test_each_rank_and_every_thread_it_starts_run_on_a_core_of_its_own(two_ranks
 def test_ranks_are_pinned_only_when_all_run_here_and_the_config_asks(monkeypatch, launcher_env, overrides, pinned):
     for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")
-    for name, value in launcher_env.items():
+    rank_env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in (rank_env | launcher_env).items():
         monkeypatch.setenv(name, value)
     calls = []
     monkeypatch.setattr(distributed.machine, "pin_rank", lambda *args: calls.append(args) or (7,))
