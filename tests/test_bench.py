@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass
 
 import mlflow
@@ -34,7 +35,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
     done = cli("bench", "arms", "--preset", "tiny", "--updates", str(updates))
     assert done.returncode == 0, done.stderr[-3000:]
     for text in ("dense, updates 1-2", "compressed, updates 3-3", "ratio control / compressed", "compute-only ideal ratio",
-                 "compressed arm by rank", "fraction of the fp32 peak", "matmul peak"):  # fmt: skip
+                 "ratio if forward/backward split exactly", "compressed arm by rank", "fraction of the fp32 peak", "matmul peak"):  # fmt: skip
         assert text in done.stdout, text
 
     (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
@@ -78,6 +79,19 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         assert all(len(r["forward_backward"]) == updates == len(r["system"]) for r in summary["times_by_rank"])
     (compressed,) = _runs("attributes.run_name = 'bench-arms-compressed-tiny'")
     assert compressed.data.metrics[schema.M_BYTES_COMPRESSED] > 0
+
+    # The split ratio, recomputed from the children's per-update records: the
+    # control's forward and backward halved, the compressed arm's rest as paid.
+    (control,) = _runs("attributes.run_name = 'bench-arms-control-tiny'")
+
+    def history(run, key):
+        return {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
+
+    for phase, steps in {"dense": range(1, dense + 1), "compressed": range(dense + 1, updates + 1)}.items():
+        rest = [history(compressed, key) for key in (schema.M_COMM_SECONDS, schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS)]
+        split = [history(control, schema.M_FORWARD_BACKWARD_SECONDS)[k] / cfg.arm("compressed").workers + sum(part[k] for part in rest) for k in steps]
+        expected = m[f"{schema.M_BENCH_ARMS_PREFIX}{phase}/control/update"] / statistics.median(split)
+        assert m[f"{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_bench_arms_refuses_without_prepared_inputs(cli):

@@ -155,10 +155,21 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 metrics[f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}{arm}"] = tokens / sum(seconds) if seconds else math.nan
                 metrics[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}{arm}"] = achieved / peaks.get(cfg.train.precision, peaks["fp32"])
             if len(results) == 2:
-                for phase in phases:
+                split = cfg.arm("compressed").workers / cfg.arm("control").workers
+                mine, theirs = results["compressed"]["per_update"], results["control"]["per_update"]
+                for phase, steps in phases.items():
                     control = medians[(phase, "control", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal_compressed[phase]
+                    # What does not shrink with the split (the hook, the optimizer, the rest), as rank 0 paid it.
+                    split_exactly = _median(
+                        [
+                            theirs["forward_backward"][k] / split + mine["comm"][k] + mine["optimizer"][k] + mine["other"][k]
+                            for k in steps
+                            if k in theirs["forward_backward"] and k in mine["comm"]
+                        ]
+                    )
+                    metrics[f"{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}"] = control / split_exactly
 
             rows = _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, shape, update_flops, updates)
             parent.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)})
@@ -186,6 +197,7 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
         if len(arms) == 2:
             add(table, "ratio control / compressed", f"{metrics[f'{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}']:.3f}x", "")
             add(table, "compute-only ideal ratio", f"{metrics[f'{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}']:.3f}x", "")
+            add(table, "ratio if forward/backward split exactly", f"{metrics[f'{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}']:.3f}x", "")
         console.print(table)
     if "compressed" in results:
         by_rank = results["compressed"]["summary"]["times_by_rank"]
