@@ -156,17 +156,22 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 metrics[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}{arm}"] = achieved / peaks.get(cfg.train.precision, peaks["fp32"])
             if len(results) == 2:
                 split = cfg.arm("compressed").workers / cfg.arm("control").workers
-                mine, theirs = results["compressed"]["per_update"], results["control"]["per_update"]
+                theirs = results["control"]["per_update"]["forward_backward"]
+                by_rank = results["compressed"]["summary"]["times_by_rank"]
                 for phase, steps in phases.items():
                     control = medians[(phase, "control", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal_compressed[phase]
-                    # What does not shrink with the split (the hook, the optimizer, the rest), as rank 0 paid it.
+                    # What does not shrink with the split: the hook as the rank that waited least paid
+                    # it (equal halves would leave no one waiting), rank 0's optimizer and rest.
                     split_exactly = _median(
                         [
-                            theirs["forward_backward"][k] / split + mine["comm"][k] + mine["optimizer"][k] + mine["other"][k]
+                            theirs[k] / split
+                            + min(r["communication"][k - 1] for r in by_rank)
+                            + by_rank[0]["optimizer"][k - 1]
+                            + by_rank[0]["other"][k - 1]
                             for k in steps
-                            if k in theirs["forward_backward"] and k in mine["comm"]
+                            if k in theirs
                         ]
                     )
                     metrics[f"{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}"] = control / split_exactly

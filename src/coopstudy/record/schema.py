@@ -210,9 +210,10 @@ compressed arm's median of (slowest rank's forward_backward + rank 0's optimizer
 the ratio with free gradient communication and recording."""
 M_BENCH_ARMS_SPLIT_PREFIX = "bench/arms_split_ratio/"
 """+ phase, on the bench-arms parent run: control median update seconds / the median over the phase's
-updates of (the control's forward_backward / the compressed arm's workers + the compressed arm's comm,
-optimizer and other seconds, rank 0's): the ratio if splitting the batch divided the forward and backward
-exactly and left the rest as measured. Below a target, no faster forward and backward reaches it."""
+updates of (the control's forward_backward / the compressed arm's workers + the compressed arm's comm on
+the rank that waited least + rank 0's optimizer and other seconds): the ratio if splitting the batch
+divided the forward and backward exactly, so that no rank waited, and left the rest as measured. Below a
+target, no faster forward and backward reaches it."""
 M_BENCH_MATMUL_PEAK_PREFIX = "bench/matmul_peak_gflops/"
 """+ dtype (bf16|fp32), on the bench-arms parent run: the best single-thread matmul GFLOP/s measured in the
 run (on CUDA: the device's), before the arms ran (after them: + `/after`)."""
