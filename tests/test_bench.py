@@ -85,7 +85,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
     # forward and backward halved, the hook of the rank that waited least,
     # rank 0's optimizer and rest.
     (control,) = _runs("attributes.run_name = 'bench-arms-control-tiny'")
-    halves = {p.step: p.value / 2 for p in client.get_metric_history(control.info.run_id, schema.M_FORWARD_BACKWARD_SECONDS)}
+    halves = {p.step: p.value / cfg.arm("compressed").workers for p in client.get_metric_history(control.info.run_id, schema.M_FORWARD_BACKWARD_SECONDS)}
     ranks = summaries["compressed"]["times_by_rank"]
     for phase, steps in {"dense": range(1, dense + 1), "compressed": range(dense + 1, updates + 1)}.items():
         split = [halves[k] + min(r["communication"][k - 1] for r in ranks) + ranks[0]["optimizer"][k - 1] + ranks[0]["other"][k - 1] for k in steps]
