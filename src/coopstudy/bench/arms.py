@@ -128,7 +128,6 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 metrics[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}{name}"] = gflops
                 metrics[f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}{name}/after"] = after[name]
             medians: dict[tuple[str, str, str], float] = {}
-            ideal_compressed: dict[str, float] = {}
             for arm, got in results.items():
                 per = got["per_update"]
                 for phase, steps in phases.items():
@@ -136,16 +135,6 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                         value = _median([per[part][k] for k in steps if k in per[part]])
                         medians[(phase, arm, part)] = value
                         metrics[f"{schema.M_BENCH_ARMS_PREFIX}{phase}/{arm}/{part}"] = value
-                if arm == "compressed":
-                    by_rank = got["summary"]["times_by_rank"]
-                    for phase, steps in phases.items():
-                        # Free communication and recording: the slowest rank's compute, rank 0's optimizer and rest.
-                        ideal_compressed[phase] = _median(
-                            [
-                                max(r["forward_backward"][k - 1] for r in by_rank) + by_rank[0]["optimizer"][k - 1] + by_rank[0]["other"][k - 1]
-                                for k in steps
-                            ]
-                        )
                 workers = cfg.arm(arm).workers
                 seconds = [per["update"][k] for k in range(1, updates + 1) if k in per["update"]]
                 executed = sum(update_flops[k][0] for k in range(1, updates + 1) if k in per["update"])
@@ -158,21 +147,20 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 split = cfg.arm("compressed").workers / cfg.arm("control").workers
                 theirs = results["control"]["per_update"]["forward_backward"]
                 by_rank = results["compressed"]["summary"]["times_by_rank"]
+
+                def rest(k: int) -> float:
+                    return by_rank[0]["optimizer"][k - 1] + by_rank[0]["other"][k - 1]
+
                 for phase, steps in phases.items():
                     control = medians[(phase, "control", "update")]
                     metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
-                    metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal_compressed[phase]
+                    # Free communication and recording: the slowest rank's compute, rank 0's optimizer and rest.
+                    ideal = _median([max(r["forward_backward"][k - 1] for r in by_rank) + rest(k) for k in steps])
+                    metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal
                     # What does not shrink with the split: the hook as the rank that waited least paid
                     # it (equal halves would leave no one waiting), rank 0's optimizer and rest.
                     split_exactly = _median(
-                        [
-                            theirs[k] / split
-                            + min(r["communication"][k - 1] for r in by_rank)
-                            + by_rank[0]["optimizer"][k - 1]
-                            + by_rank[0]["other"][k - 1]
-                            for k in steps
-                            if k in theirs
-                        ]
+                        [theirs[k] / split + min(r["communication"][k - 1] for r in by_rank) + rest(k) for k in steps if k in theirs]
                     )
                     metrics[f"{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}"] = control / split_exactly
 
