@@ -1,7 +1,7 @@
 """Benchmarks that print a table and log it to MLflow (not timed tests).
 
     python -m coopstudy bench objective --preset tiny|smollm2-135m-cpu [--updates 2]
-    python -m coopstudy bench arms --preset smollm2-135m-cpu [--updates 8] [--arm control|compressed|both]
+    python -m coopstudy bench arms --preset smollm2-135m-cpu [--updates 24] [--arm control|compressed|both]
     python -m coopstudy bench generate --preset smollm2-135m-cpu [--items 32]
 
 (`python -m coopstudy.bench ...` is the same command.)
@@ -22,11 +22,12 @@ first touched, UpdateTimes.system).
 each launched exactly as `train` launches it (coopstudy.run.launch: the
 control one plain `python -m coopstudy worker` process, the compressed arm
 that command under the DeepSpeed launcher, with the same environment and
-thread settings), for --updates updates of the committed schedule without a
-checkpoint, under the device lock. Launching both, rather than running the
-control inside this process, keeps the measured loops the ones `train` runs
-(their threads, allocator settings and environment), so the ratio is the
-study's. Needs prepared inputs (`prepare`). Each arm writes a child run
+thread settings), for --updates updates of the committed schedule (by
+default all of it, so that each phase's medians are over the updates the
+study's report takes them over) without a checkpoint, under the device
+lock. Launching both, rather than running the control inside this process,
+keeps the measured loops the ones `train` runs (their threads, allocator
+settings and environment), so the ratio is the study's. Needs prepared inputs (`prepare`). Each arm writes a child run
 (stage bench) with the per-update metrics and time breakdown of `train`;
 the parent run bench-arms-<preset> gets, per phase (updates
 1..powersgd.dense_updates dense, the rest compressed), the median seconds per
@@ -80,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = sub.add_parser("arms", help="both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
     add_config_arguments(a)
     a.add_argument("--updates", type=int, default=None,
-                   help="updates of each arm (default: powersgd.dense_updates + 5, at most train.updates)")  # fmt: skip
+                   help="updates of each arm (default: train.updates, the whole schedule, as the study runs it;"
+                        " fewer give a quick look whose compressed phase is mostly its first, slowest updates)")  # fmt: skip
     a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
     g = sub.add_parser("generate", help="batched against one-at-a-time greedy generation on the seed model")
     add_config_arguments(g)

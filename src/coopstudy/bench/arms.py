@@ -101,7 +101,7 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
     from coopstudy.run import launch, lock
 
     dense = cfg.powersgd.dense_updates
-    updates = updates if updates is not None else min(cfg.train.updates, dense + 5)
+    updates = updates if updates is not None else cfg.train.updates
     if not 1 <= updates <= cfg.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({cfg.train.updates}), not {updates}")
     prepared, seed = require.seeded_inputs(cfg)
