@@ -52,9 +52,10 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
     assert 0 < m[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}control"] < 1
 
     client = mlflow.MlflowClient(tracking_uri=store.tracking_uri())
-    summaries = {}
+    summaries, children = {}, {}
     for arm in ("control", "compressed"):
         (child,) = _runs(f"attributes.run_name = 'bench-arms-{arm}-tiny'")
+        children[arm] = child
         assert child.info.status == "FINISHED" and child.data.tags[schema.TAG_ARM] == arm
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         # The train loop's per-update record: every part of the breakdown, at every update.
@@ -78,14 +79,13 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         own = [[cores[0]], [cores[1]]] if len(cores) >= 2 else [None, None]
         assert summary["cores_by_rank"] == (own if arm == "compressed" else [None])
         assert all(len(r["forward_backward"]) == updates == len(r["system"]) for r in summary["times_by_rank"])
-    (compressed,) = _runs("attributes.run_name = 'bench-arms-compressed-tiny'")
-    assert compressed.data.metrics[schema.M_BYTES_COMPRESSED] > 0
+    assert children["compressed"].data.metrics[schema.M_BYTES_COMPRESSED] > 0
 
     # The split ratio, recomputed from the children's records: the control's
     # forward and backward halved, the hook of the rank that waited least,
     # rank 0's optimizer and rest.
-    (control,) = _runs("attributes.run_name = 'bench-arms-control-tiny'")
-    halves = {p.step: p.value / cfg.arm("compressed").workers for p in client.get_metric_history(control.info.run_id, schema.M_FORWARD_BACKWARD_SECONDS)}
+    control_id = children["control"].info.run_id
+    halves = {p.step: p.value / cfg.arm("compressed").workers for p in client.get_metric_history(control_id, schema.M_FORWARD_BACKWARD_SECONDS)}
     ranks = summaries["compressed"]["times_by_rank"]
     for phase, steps in {"dense": range(1, dense + 1), "compressed": range(dense + 1, updates + 1)}.items():
         split = [halves[k] + min(r["communication"][k - 1] for r in ranks) + ranks[0]["optimizer"][k - 1] + ranks[0]["other"][k - 1] for k in steps]

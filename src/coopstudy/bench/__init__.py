@@ -27,8 +27,9 @@ default all of it, so that each phase's medians are over the updates the
 study's report takes them over) without a checkpoint, under the device
 lock. Launching both, rather than running the control inside this process,
 keeps the measured loops the ones `train` runs (their threads, allocator
-settings and environment), so the ratio is the study's. Needs prepared inputs (`prepare`). Each arm writes a child run
-(stage bench) with the per-update metrics and time breakdown of `train`;
+settings and environment), so the ratio is the study's. Needs prepared
+inputs (`prepare`). Each arm writes a child run (stage bench) with the
+per-update metrics and time breakdown of `train`;
 the parent run bench-arms-<preset> gets, per phase (updates
 1..powersgd.dense_updates dense, the rest compressed), the median seconds per
 update of each arm, their ratio, the median breakdown, the compute-only
