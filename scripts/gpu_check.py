@@ -20,7 +20,8 @@ configs, the commands it would run). With CUDA, on device 0:
 3. the control arm of tiny on CUDA through `bench arms --arm control`
    (the worker's real loop, allocator expandable_segments): the record must
    carry the allocator and CUDA max allocated/reserved memory, and the bench
-   prints tokens/s and the fraction of the device's measured bf16 matmul peak;
+   prints tokens/s and the fraction of the device's measured matmul peak in the
+   run's precision;
 4. the same for the CPU preset's model (SmolLM2-135M, `prepare` of
    smollm2-135m-cpu first), unless --skip-cpu-preset.
 
@@ -144,8 +145,10 @@ def check_control(store: Path, preset: str, updates: int, checks: Checks) -> Non
     pm = parent.data.metrics
     rate = pm.get(f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}control", math.nan)
     fraction = pm.get(f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}control", math.nan)
-    peak = pm.get(f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}bf16", math.nan)
-    checks.expect(rate > 0 and fraction > 0, f"{preset}: {rate:,.0f} tokens/s, {fraction:.1%} of the device's bf16 matmul peak ({peak / 1000:,.0f} TFLOP/s)")
+    # The fraction is of the peak of the precision the run trained in (tiny: fp32).
+    precision = parent.data.params["train.precision"]
+    peak = pm.get(f"{schema.M_BENCH_MATMUL_PEAK_PREFIX}{precision}", math.nan)
+    checks.expect(rate > 0 and fraction > 0, f"{preset}: {rate:,.0f} tokens/s, {fraction:.1%} of the device's {precision} matmul peak ({peak / 1000:,.0f} TFLOP/s)")
 
 
 def check_probe(store: Path, checks: Checks) -> None:
