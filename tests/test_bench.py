@@ -16,10 +16,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from coopstudy import config
+from coopstudy import config, machine
 from coopstudy.bench import arms, objective
 from coopstudy.numerics import flops
 from coopstudy.record import schema, store
+from coopstudy.run import launch
 
 
 def _runs(filter_string: str) -> list:
@@ -73,6 +74,8 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
             assert sum(part[k] for part in parts.values()) == pytest.approx(seconds[k], rel=0.05, abs=0.02)
         summary = summaries[arm] = json.loads(store.download_artifact(child.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path / arm).read_text())
         assert summary["padding_efficiency"] == 1.0
+        # The malloc the arms ran under (it moves their seconds), as launched.
+        assert summary["malloc"] == ("tcmalloc" if machine.tcmalloc_library() else f"glibc ({launch.TRAINING_MALLOC})")
         assert len(summary["times_by_rank"]) == (2 if arm == "compressed" else 1)
         # The compressed arm's ranks each on a core of their own; the control left to the scheduler.
         cores = sorted(os.sched_getaffinity(0))

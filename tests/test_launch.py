@@ -15,7 +15,7 @@ from pathlib import Path
 import mlflow
 from fixtures import faults_of_a_large_tensor_made_again
 
-from coopstudy import config
+from coopstudy import config, machine
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
 
@@ -107,12 +107,18 @@ def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
 
 def test_the_arms_reuse_the_memory_of_the_update_before(monkeypatch):
     # In the arms' environment a large tensor freed serves the next one that
-    # fits, pages and all; glibc's default would unmap it and fault all again.
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    # fits, pages and all (tcmalloc where installed, else glibc's settings);
+    # glibc's default would unmap it and fault all again.
+    for key in ("GLIBC_TUNABLES", "LD_PRELOAD", *launch.TCMALLOC_SETTINGS):
+        monkeypatch.delenv(key, raising=False)
     env = launch.worker_environment(config.load("tiny"), "RUN")
+    assert ("LD_PRELOAD" in env) == (machine.tcmalloc_library() is not None) != ("GLIBC_TUNABLES" in env)
     arms = faults_of_a_large_tensor_made_again(env)
-    default = faults_of_a_large_tensor_made_again({k: v for k, v in env.items() if k != "GLIBC_TUNABLES"})
+    default = faults_of_a_large_tensor_made_again({k: v for k, v in env.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")})
     assert arms < 100 < default, (arms, default)
+    glibc = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+    glibc.setdefault("GLIBC_TUNABLES", launch.TRAINING_MALLOC)
+    assert faults_of_a_large_tensor_made_again(glibc) < 100
 
 
 def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypatch):

@@ -83,17 +83,32 @@ def local_devices(workers: int, *, hostfile: Path | None = None, nodes: int | No
     return [f"cuda{d}" for d in _visible_gpus()[:local]]
 
 
+TCMALLOC_SETTINGS = {"TCMALLOC_RELEASE_RATE": "0"}
+"""The arms' malloc, where it is installed: gperftools' tcmalloc
+(machine.TCMALLOC), preloaded, returning nothing it frees to the system.
+glibc's heap fragments here: every packed row has a length of its own,
+oneDNN compiles and caches primitives for each, and these small lasting
+blocks land in the holes an update's large tensors left, so the next
+update's tensors no longer fit and the heap grows into memory new to the
+process (54 MiB an update on a compressed rank). tcmalloc keeps small
+blocks in spans of their own and reuses the large ones. And on these VMs
+memory new to a process is dear: the host takes back what the guest frees
+(free page reporting), and faulting it in again as 2 MiB huge pages, which
+glibc's `hugetlb=1` below asks for, cost 5-7 s a GiB against about 0.5 s a
+GiB in 4 KiB pages, which tcmalloc uses (README, "What stays on CPU, and
+why")."""
+
 TRAINING_MALLOC = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
-"""glibc's malloc settings for the arms' processes. glibc serves every block
-above 32 MiB from a fresh mmap and unmaps it when freed, so each update's
-large tensors (the logits at target tokens, the embedding's bf16 copy and
-dense gradient, 50-120 MiB each at microbatch 16) fault their pages in again,
-at about 0.4 GB/s of system time on these VMs: 0.3-1.6 s of a control
-update's 3-8 s (README, "What stays on CPU, and why"). mmap_max=0 serves them
-from the heap, and a trim threshold of 1 TiB keeps the heap's freed top, so
-an update reuses the pages of the one before and faults only where its peak
-grows; hugetlb=1 asks for transparent huge pages where memory is new (THP
-"madvise"): a fresh 538 MB copy then costs about a quarter of its time."""
+"""glibc's malloc settings for the arms' processes where tcmalloc is not
+installed. glibc serves every block above 32 MiB from a fresh mmap and
+unmaps it when freed, so each update's large tensors (the logits at target
+tokens, the embedding's bf16 copy and dense gradient, 50-120 MiB each at
+microbatch 16) fault their pages in again: 0.3-1.6 s of a control update's
+3-8 s. mmap_max=0 serves them from the heap, and a trim threshold of 1 TiB
+keeps the heap's freed top, so an update reuses the pages of the one before
+and faults only where its peak grows; hugetlb=1 asks for transparent huge
+pages where memory is new (THP "madvise"), which made a fresh 538 MB copy
+cheaper on a machine whose host kept the guest's memory."""
 
 
 def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_ALLOCATOR) -> dict[str, str]:
@@ -103,7 +118,7 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     # One device is `threads_per_device` cores on CPU: OpenMP and MKL pools
     # are sized before torch can be told, so the environment says it first.
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
-    env.setdefault("GLIBC_TUNABLES", TRAINING_MALLOC)
+    set_malloc(env)
     env[writer.ENV_RUN_ID] = run_id
     if not machine.cuda_available():
         # Tells DeepSpeed (the launcher, and transformers' checks for it) what
@@ -111,6 +126,17 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
         env.setdefault("DS_ACCELERATOR", "cpu")
     set_allocator(env, allocator)
     return env
+
+
+def set_malloc(env: MutableMapping[str, str]) -> None:
+    """tcmalloc preloaded where it is installed, else glibc's settings."""
+    library = machine.tcmalloc_library()
+    if library is None:
+        env.setdefault("GLIBC_TUNABLES", TRAINING_MALLOC)
+        return
+    preload = env.get("LD_PRELOAD", "").replace(":", " ").split()
+    env["LD_PRELOAD"] = " ".join([library, *(p for p in preload if p != library)])
+    env.update(TCMALLOC_SETTINGS)
 
 
 def set_allocator(env: MutableMapping[str, str], allocator: str) -> None:

@@ -40,7 +40,7 @@ import traceback
 
 import torch
 
-from coopstudy import errors, ui, workspace
+from coopstudy import errors, machine, ui, workspace
 from coopstudy.commit import require
 from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
@@ -215,6 +215,8 @@ def train(
                 # The CPU cores each rank was pinned to; null: left to the scheduler.
                 "cores_by_rank": cores_by_rank,
                 "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+                # The host's malloc (run.launch.set_malloc): 'tcmalloc', or glibc and its settings.
+                "malloc": machine.malloc_in_use(),
                 "precision": precision.name,
                 "updates": len(schedule),
                 "phases": phases,
