@@ -1,8 +1,8 @@
 """What this machine computes on: whether it has a CUDA device, whether its
 training device runs bf16 natively, which cores a CPU rank takes, which
-malloc a process runs and how glibc's is told to keep the memory it frees. Imports nothing of
-the project's: every layer may use it. torch is imported only where the
-answer needs it."""
+malloc a process runs and how glibc's is told to keep the memory it frees.
+Imports nothing of the project's: every layer may use it. torch is imported
+only where the answer needs it."""
 
 from __future__ import annotations
 

@@ -107,8 +107,9 @@ microbatch 16) fault their pages in again: 0.3-1.6 s of a control update's
 3-8 s. mmap_max=0 serves them from the heap, and a trim threshold of 1 TiB
 keeps the heap's freed top, so an update reuses the pages of the one before
 and faults only where its peak grows; hugetlb=1 asks for transparent huge
-pages where memory is new (THP "madvise"), which made a fresh 538 MB copy
-cheaper on a machine whose host kept the guest's memory."""
+pages where memory is new (THP "madvise"): a fresh 538 MB copy cost a
+quarter of its time so when measured (2026-12-02), and far more where the
+host has taken the memory back (above)."""
 
 
 def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_ALLOCATOR) -> dict[str, str]:
