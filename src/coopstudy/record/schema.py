@@ -312,7 +312,7 @@ TAG_CHECKPOINT_PATH = "coopstudy.checkpoint_path"
 ART_CHECKPOINT = "checkpoint"
 """On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"
-"""On train arm and probe candidate runs: rank 0's summary (setting, host, device,
+"""On train arm and probe candidate runs: rank 0's summary (setting, host, device, malloc,
 phases, assignment, memory by rank, bytes, checkpoint)."""
 TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
 """+ rank, on train arm and probe candidate runs: `<type>: <first line>` of the error that training
