@@ -41,6 +41,7 @@ UPDATE_METRICS = {
     "optimizer_seconds": schema.M_OPTIMIZER_SECONDS,
     "other_seconds": schema.M_OTHER_SECONDS,
     "system_seconds": schema.M_SYSTEM_SECONDS,
+    "new_memory_mb": schema.M_NEW_MEMORY_MB,
     "record_seconds": schema.M_RECORD_SECONDS,
 }
 BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")

@@ -70,8 +70,18 @@ def _training(records: Records) -> dict[str, Any]:
             "first_loss": float(group["loss"].iloc[0]),
             "final_loss": float(group["loss"].iloc[-1]),
             "median_update_seconds": float(group["update_seconds"].median()),
+            # Rank 0's first touch over the window: memory new to its process, and the
+            # operating system's seconds (README, "What stays on CPU, and why").
+            "new_memory_mb": _sum(group["new_memory_mb"]),
+            "system_seconds": _sum(group["system_seconds"]),
         }
     return out
+
+
+def _sum(values) -> float | None:
+    """None where the record has no value (runs from before it was recorded)."""
+    values = values.dropna()
+    return float(values.sum()) if len(values) else None
 
 
 def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
     done = cli("bench", "arms", "--preset", "tiny", "--updates", str(updates))
     assert done.returncode == 0, done.stderr[-3000:]
     for text in ("dense, updates 1-2", "compressed, updates 3-3", "ratio control / compressed", "compute-only ideal ratio",
-                 "ratio if forward/backward split exactly", "compressed arm by rank", "fraction of the fp32 peak", "matmul peak"):  # fmt: skip
+                 "ratio if forward/backward split exactly", "compressed arm by rank", "fraction of the fp32 peak", "matmul peak",
+                 "memory new to each process (first touch)"):  # fmt: skip
         assert text in done.stdout, text
 
     (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
@@ -61,7 +62,8 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         # The train loop's per-update record: every part of the breakdown, at every update.
         for key in (schema.M_UPDATE_SECONDS, schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS, schema.M_COMM_ARITHMETIC_SECONDS,
-                    schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_SYSTEM_SECONDS, schema.M_RECORD_SECONDS):  # fmt: skip
+                    schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_SYSTEM_SECONDS, schema.M_NEW_MEMORY_MB,
+                    schema.M_RECORD_SECONDS):  # fmt: skip
             assert [p.step for p in client.get_metric_history(child.info.run_id, key)] == list(range(1, updates + 1)), key
         assert all(p.value >= 0 for p in client.get_metric_history(child.info.run_id, schema.M_SYSTEM_SECONDS))
         parts = {
@@ -82,6 +84,14 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         own = [[cores[0]], [cores[1]]] if len(cores) >= 2 else [None, None]
         assert summary["cores_by_rank"] == (own if arm == "compressed" else [None])
         assert all(len(r["forward_backward"]) == updates == len(r["system"]) for r in summary["times_by_rank"])
+        # Memory new to each process, per update: rank 0's is the per-update metric, and the
+        # parent's figure is every rank's over the window.
+        grown = summary["new_memory_mb_by_rank"]
+        assert len(grown) == len(summary["times_by_rank"]) and all(len(r) == updates and min(r) >= 0 for r in grown)
+        history = client.get_metric_history(child.info.run_id, schema.M_NEW_MEMORY_MB)
+        assert [p.value for p in sorted(history, key=lambda p: p.step)] == pytest.approx(grown[0])
+        assert m[f"{schema.M_BENCH_NEW_MEMORY_PREFIX}{arm}"] == pytest.approx(sum(map(sum, grown)))
+        assert m[f"{schema.M_BENCH_SYSTEM_PREFIX}{arm}"] == pytest.approx(sum(sum(r["system"]) for r in summary["times_by_rank"]))
     assert children["compressed"].data.metrics[schema.M_BYTES_COMPRESSED] > 0
 
     # The split ratio, recomputed from the children's records: the control's

@@ -49,6 +49,7 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                     schema.M_OPTIMIZER_SECONDS: 0.1,
                     schema.M_OTHER_SECONDS: 0.01,
                     schema.M_SYSTEM_SECONDS: 2.0 if update == 1 else (0.05 if arm == "control" else 0.02),
+                    schema.M_NEW_MEMORY_MB: 300.0 if update == 1 else (0.0 if arm == "control" else 10.0),
                     schema.M_RECORD_SECONDS: 0.0,
                 },
                 step=update,
@@ -234,6 +235,11 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert dense["control"]["comm_seconds"] == 0.0
     assert later["compressed"]["comm_arithmetic_seconds"] == 0.3 and dense["compressed"]["comm_arithmetic_seconds"] == 0.0
     assert later["control"]["system_seconds"] == 0.05 and later["compressed"]["system_seconds"] == 0.02
+    # First touch over the whole window, rank 0's: the memory new to its process and the system seconds.
+    later_updates = tiny.train.updates - 1
+    assert report["training"]["control"]["new_memory_mb"] == 300.0
+    assert report["training"]["compressed"]["new_memory_mb"] == pytest.approx(300.0 + 10.0 * later_updates)
+    assert report["training"]["compressed"]["system_seconds"] == pytest.approx(2.0 + 0.02 * later_updates)
     assert "## Where an update's seconds went" in md and "| forward backward |" in md
     assert "Where an update's seconds went" in first_out
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)

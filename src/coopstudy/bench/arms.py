@@ -32,6 +32,8 @@ _PARTS = (
     ("tokens", schema.M_TOKENS),
 )
 _SECONDS = [part for part, _ in _PARTS if part != "tokens"]
+_GREW_MB = 64.0
+"""The first-touch table lists the updates that grew a process's peak by at least this much."""
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -143,6 +145,9 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 tokens = sum(per["tokens"].get(k, 0) for k in range(1, updates + 1) if k in per["update"])
                 metrics[f"{schema.M_BENCH_TOKENS_PER_S_PREFIX}{arm}"] = tokens / sum(seconds) if seconds else math.nan
                 metrics[f"{schema.M_BENCH_PEAK_FRACTION_PREFIX}{arm}"] = achieved / peaks.get(cfg.train.precision, peaks["fp32"])
+                summary = got["summary"]
+                metrics[f"{schema.M_BENCH_NEW_MEMORY_PREFIX}{arm}"] = sum(map(sum, summary["new_memory_mb_by_rank"]))
+                metrics[f"{schema.M_BENCH_SYSTEM_PREFIX}{arm}"] = sum(sum(r["system"]) for r in summary["times_by_rank"])
             if len(results) == 2:
                 split = cfg.arm("compressed").workers / cfg.arm("control").workers
                 theirs = results["control"]["per_update"]["forward_backward"]
@@ -202,6 +207,17 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
         for r, parts in enumerate(by_rank):
             add(table, str(r), *(f"{_median(parts[p]):.3f}" for p in columns))
         console.print(table)
+    table = Table(title=f"memory new to each process (first touch), updates 1-{updates}")
+    for column in ("arm", "rank", "new MiB", "system s", "system s per GiB", f"updates that grew it by {_GREW_MB:.0f} MiB or more: MiB / system s"):
+        table.add_column(column, justify="left" if column in ("arm", "rank") or column.startswith("updates") else "right")
+    for arm, got in results.items():
+        summary = got["summary"]
+        for r, (grown, parts) in enumerate(zip(summary["new_memory_mb_by_rank"], summary["times_by_rank"])):
+            system = parts["system"]
+            grew = [f"{k}: {mb:,.0f} / {s:.1f}" for k, (mb, s) in enumerate(zip(grown, system), start=1) if mb >= _GREW_MB]
+            per_gib = sum(system) / (sum(grown) / 1024) if sum(grown) > 0 else math.nan
+            add(table, arm, str(r), f"{sum(grown):,.0f}", f"{sum(system):.1f}", f"{per_gib:.1f}", "; ".join(grew) or "none")
+    console.print(table)
     table = Table(title=f"training FLOP/s per device, {updates} updates, {cfg.train.precision}")
     table.add_column("quantity")
     table.add_column("value", justify="right")

@@ -224,6 +224,12 @@ M_BENCH_TOKENS_PER_S_PREFIX = "bench/tokens_per_second/"
 """+ arm, on the bench-arms parent run: real tokens trained per second over all timed updates (the arm's, all devices)."""
 M_BENCH_PEAK_FRACTION_PREFIX = "bench/peak_fraction/"
 """+ arm, on the bench-arms parent run: achieved GFLOP/s per device / the matmul peak of train.precision."""
+M_BENCH_NEW_MEMORY_PREFIX = "bench/new_memory_mb/"
+"""+ arm, on the bench-arms parent run: train/new_memory_mb summed over the arm's updates and ranks, MiB:
+the memory its processes touched for the first time inside the training window."""
+M_BENCH_SYSTEM_PREFIX = "bench/system_seconds/"
+"""+ arm, on the bench-arms parent run: train/system_seconds summed over the arm's updates and ranks: what
+the operating system took of its processes inside the training window (mostly the first touch of that memory)."""
 ART_BENCH_ARMS_TABLE = "bench_arms.json"
 """On the bench-arms parent run: the printed tables, one row per quantity (MLflow table)."""
 # --- dev-split ----------------------------------------------------------------
@@ -274,6 +280,11 @@ M_SYSTEM_SECONDS = "train/system_seconds"
 on rank 0's process (all its threads) during the update, across its parts rather than beside them; on
 CPU mostly page faults of memory new to the process (its first updates, and any later one that grows
 its heap)."""
+M_NEW_MEMORY_MB = "train/new_memory_mb"
+"""On train arm, probe candidate and bench-arms runs, per update: how much rank 0's peak resident set grew
+during the update, MiB: memory the process touched for the first time (the arms' malloc keeps what they
+free), whose page faults train/system_seconds holds. Every rank's is in train_summary.json
+(new_memory_mb_by_rank)."""
 M_RECORD_SECONDS = "train/record_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds writing the record
 inside the training window just before the update started (per-update metrics wait in memory and are
@@ -313,7 +324,7 @@ ART_CHECKPOINT = "checkpoint"
 """On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"
 """On train arm and probe candidate runs: rank 0's summary (setting, host, device, malloc,
-phases, assignment, memory by rank, bytes, checkpoint)."""
+phases, assignment, memory by rank, every rank's per-update times and new memory, bytes, checkpoint)."""
 TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
 """+ rank, on train arm and probe candidate runs: `<type>: <first line>` of the error that training
 process hit (the run's own error tag says what the stage saw)."""

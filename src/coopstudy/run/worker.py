@@ -137,6 +137,7 @@ def train(
         first_start = last_end = 0.0
         phases: list[str | None] = []
         times: list[update.UpdateTimes] = []
+        new_memory: list[float] = []
         computed = local_tokens = 0
         pending = _Pending(rec)
         # Seconds of the write inside the window just before the next update.
@@ -147,6 +148,7 @@ def train(
                     start = time.perf_counter()
                     if k == 1:
                         first_start = start
+                    peak_before = capacity.peak_rss_mb()
                     # Same global batch in every arm; this worker takes its share.
                     result = update.worker_update(
                         net, optimizer, scheduler, documents, global_batch, ctx,
@@ -157,6 +159,9 @@ def train(
                     # optimizer step in stream order), so the clock stops when the
                     # device has finished the update, not when its kernels were queued.
                     last_end = time.perf_counter()
+                    # Memory the process touched for the first time: its allocator keeps
+                    # what it frees (launch.set_malloc), so the peak grows only by new pages.
+                    new_memory.append(capacity.peak_rss_mb() - peak_before)
                     if probing is not None:
                         probing.updated(last_end - start)
                     phases.append(result.comm.phase if result.comm else None)
@@ -180,6 +185,7 @@ def train(
                                 schema.M_OPTIMIZER_SECONDS: t.optimizer,
                                 schema.M_OTHER_SECONDS: t.other,
                                 schema.M_SYSTEM_SECONDS: t.system,
+                                schema.M_NEW_MEMORY_MB: new_memory[-1],
                                 schema.M_RECORD_SECONDS: record_seconds,
                             },
                             k,
@@ -203,6 +209,7 @@ def train(
             saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
         memory = _gather_peak_memory(ctx)
         times_by_rank = _gather_times(ctx, times)
+        new_memory_by_rank = distributed.gather_floats(new_memory, ctx)
         cores_by_rank = _gather_cores(ctx, cfg.train.threads_per_device)
         if rec is not None:
             summary = {
@@ -226,6 +233,8 @@ def train(
                 "memory_by_rank": memory,
                 # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
                 "times_by_rank": times_by_rank,
+                # Every rank's peak resident set growth per update, MiB (schema.M_NEW_MEMORY_MB).
+                "new_memory_mb_by_rank": new_memory_by_rank,
                 # Real tokens / computed positions of rank 0's forwards: 1.0, packed.
                 "padding_efficiency": local_tokens / computed if computed else 1.0,
                 "inputs_sha256": prepared.digest,
