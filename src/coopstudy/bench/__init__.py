@@ -36,7 +36,8 @@ update of each arm, their ratio, the median breakdown, the compute-only
 ratio (what the ratio would be if gradient communication and recording were
 free), the training FLOP/s each device achieved and the single-thread
 matmul peak measured in the same run (before and after the arms) that it is
-a fraction of.
+a fraction of, and per arm and rank the memory new to the process inside the
+window (first touch: train/new_memory_mb) with the system seconds it cost.
 
 Documents come from the prepared inputs of the preset when they exist
 (`prepare` has run); otherwise synthetic documents of realistic shape are
