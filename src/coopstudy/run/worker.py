@@ -7,9 +7,9 @@ plain process, the compressed arm as ranks the DeepSpeed launcher starts
 WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
 
 Rank 0 writes the record: per update, the loss, gradient norm, learning
-rate, tokens, bytes and where the update's seconds went (forward and
+rate, tokens, bytes, where the update's seconds went (forward and
 backward, gradient communication, optimizer step, the rest, and recording:
-update.UpdateTimes); then the run's summary (active and checkpoint seconds,
+update.UpdateTimes) and the memory new to the process; then the run's summary (active and checkpoint seconds,
 peak memory and the time breakdown of every rank, transmitted bytes by
 phase) and the verified checkpoint. The per-update metrics wait in memory
 and are written at most once every RECORD_EVERY_S seconds, and after the last
