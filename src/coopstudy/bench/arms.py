@@ -213,10 +213,10 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
     for arm, got in results.items():
         summary = got["summary"]
         for r, (grown, parts) in enumerate(zip(summary["new_memory_mb_by_rank"], summary["times_by_rank"])):
-            system = parts["system"]
-            grew = [f"{k}: {mb:,.0f} / {s:.1f}" for k, (mb, s) in enumerate(zip(grown, system), start=1) if mb >= _GREW_MB]
-            per_gib = sum(system) / (sum(grown) / 1024) if sum(grown) > 0 else math.nan
-            add(table, arm, str(r), f"{sum(grown):,.0f}", f"{sum(system):.1f}", f"{per_gib:.1f}", "; ".join(grew) or "none")
+            new_mb, system = sum(grown), sum(parts["system"])
+            grew = [f"{k}: {mb:,.0f} / {s:.1f}" for k, (mb, s) in enumerate(zip(grown, parts["system"]), start=1) if mb >= _GREW_MB]
+            per_gib = system / (new_mb / 1024) if new_mb > 0 else math.nan
+            add(table, arm, str(r), f"{new_mb:,.0f}", f"{system:.1f}", f"{per_gib:.1f}", "; ".join(grew) or "none")
     console.print(table)
     table = Table(title=f"training FLOP/s per device, {updates} updates, {cfg.train.precision}")
     table.add_column("quantity")

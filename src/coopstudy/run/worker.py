@@ -9,9 +9,10 @@ WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
 Rank 0 writes the record: per update, the loss, gradient norm, learning
 rate, tokens, bytes, where the update's seconds went (forward and
 backward, gradient communication, optimizer step, the rest, and recording:
-update.UpdateTimes) and the memory new to the process; then the run's summary (active and checkpoint seconds,
-peak memory and the time breakdown of every rank, transmitted bytes by
-phase) and the verified checkpoint. The per-update metrics wait in memory
+update.UpdateTimes) and the memory new to the process; then the run's
+summary (active and checkpoint seconds, peak memory, the time breakdown and
+new memory of every rank, transmitted bytes by phase) and the verified
+checkpoint. The per-update metrics wait in memory
 and are written at most once every RECORD_EVERY_S seconds, and after the last
 update outside the training window, so that a record call (tens of
 milliseconds against a local SQLite store, more against a server) is not
