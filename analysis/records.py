@@ -42,6 +42,7 @@ UPDATE_METRICS = {
     "other_seconds": schema.M_OTHER_SECONDS,
     "system_seconds": schema.M_SYSTEM_SECONDS,
     "new_memory_mb": schema.M_NEW_MEMORY_MB,
+    "ready_memory_mb": schema.M_READY_MEMORY_MB,
     "record_seconds": schema.M_RECORD_SECONDS,
 }
 BREAKDOWN = ("forward_backward_seconds", "comm_seconds", "optimizer_seconds", "other_seconds", "record_seconds")

@@ -74,6 +74,9 @@ def _training(records: Records) -> dict[str, Any]:
             # operating system's seconds (README, "What stays on CPU, and why").
             "new_memory_mb": _sum(group["new_memory_mb"]),
             "system_seconds": _sum(group["system_seconds"]),
+            # The least free memory the machine had ready for first touches after an update:
+            # near zero, later first touches waited for the VM's host.
+            "ready_memory_low_mb": _least(group["ready_memory_mb"]),
         }
     return out
 
@@ -82,6 +85,12 @@ def _sum(values) -> float | None:
     """None where the record has no value (runs from before it was recorded)."""
     values = values.dropna()
     return float(values.sum()) if len(values) else None
+
+
+def _least(values) -> float | None:
+    """None where the record has no value (runs from before it was recorded, or without procfs)."""
+    values = values.dropna()
+    return float(values.min()) if len(values) else None
 
 
 def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
     assert done.returncode == 0, done.stderr[-3000:]
     for text in ("dense, updates 1-2", "compressed, updates 3-3", "ratio control / compressed", "compute-only ideal ratio",
                  "ratio if forward/backward split exactly", "compressed arm by rank", "fraction of the fp32 peak", "matmul peak",
-                 "memory new to each process (first touch)"):  # fmt: skip
+                 "memory new to each process (first touch)", "memory the machine had ready for first touch"):  # fmt: skip
         assert text in done.stdout, text
 
     (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
@@ -92,6 +92,15 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         assert [p.value for p in sorted(history, key=lambda p: p.step)] == pytest.approx(grown[0])
         assert m[f"{schema.M_BENCH_NEW_MEMORY_PREFIX}{arm}"] == pytest.approx(sum(map(sum, grown)))
         assert m[f"{schema.M_BENCH_SYSTEM_PREFIX}{arm}"] == pytest.approx(sum(sum(r["system"]) for r in summary["times_by_rank"]))
+        # What the machine had ready for first touches: before update 1, then after each update
+        # (the per-update metric); the parent keeps the first and the lowest after an update.
+        ready = summary["ready_memory_mb"]
+        assert len(ready) == updates + 1 and all(mb > 0 for mb in ready)
+        history = client.get_metric_history(child.info.run_id, schema.M_READY_MEMORY_MB)
+        assert [p.value for p in sorted(history, key=lambda p: p.step)] == pytest.approx(ready[1:])
+        assert m[f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}"] == pytest.approx(ready[0])
+        assert m[f"{schema.M_BENCH_READY_MEMORY_LOW_PREFIX}{arm}"] == pytest.approx(min(ready[1:]))
+        assert summary["free_page_reporting"] is machine.free_page_reporting()
     assert children["compressed"].data.metrics[schema.M_BYTES_COMPRESSED] > 0
 
     # The split ratio, recomputed from the children's records: the control's
@@ -104,6 +113,20 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         split = [halves[k] + min(r["communication"][k - 1] for r in ranks) + ranks[0]["optimizer"][k - 1] + ranks[0]["other"][k - 1] for k in steps]
         expected = m[f"{schema.M_BENCH_ARMS_PREFIX}{phase}/control/update"] / statistics.median(split)
         assert m[f"{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_ready_memory_counts_free_blocks_under_the_reported_order():
+    # /proc/buddyinfo's form: per zone, free blocks of 2^0, 2^1, ... pages.
+    buddyinfo = (
+        "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3 \n"
+        "Node 0, zone    DMA32      4      2      0      0      0      0      0      0      0      7      9 \n"
+        "Node 0, zone   Normal    256    128      1      0      0      0      0      0      2      5      1 \n"
+    )
+    # Blocks under 2^9 pages: DMA 1·2^8; DMA32 4 + 2·2; Normal 256 + 128·2 + 1·2^2 + 2·2^8.
+    pages = 2**8 + (4 + 2 * 2) + (256 + 128 * 2 + 2**2 + 2 * 2**8)
+    assert machine.free_blocks_mb(buddyinfo, 9, 4096) == pages * 4096 / 2**20
+    assert machine.free_blocks_mb(buddyinfo, 1, 4096) == (4 + 256) * 4096 / 2**20
+    assert machine.free_blocks_mb("", 9, 4096) == 0.0
 
 
 def test_bench_arms_refuses_without_prepared_inputs(cli):

@@ -50,6 +50,8 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                     schema.M_OTHER_SECONDS: 0.01,
                     schema.M_SYSTEM_SECONDS: 2.0 if update == 1 else (0.05 if arm == "control" else 0.02),
                     schema.M_NEW_MEMORY_MB: 300.0 if update == 1 else (0.0 if arm == "control" else 10.0),
+                    # The compressed arm's ranks use up what the machine had ready; the control's one does not.
+                    schema.M_READY_MEMORY_MB: 5000.0 - 300.0 * update if arm == "compressed" else 6000.0 + update,
                     schema.M_RECORD_SECONDS: 0.0,
                 },
                 step=update,
@@ -240,6 +242,8 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert report["training"]["control"]["new_memory_mb"] == 300.0
     assert report["training"]["compressed"]["new_memory_mb"] == pytest.approx(300.0 + 10.0 * later_updates)
     assert report["training"]["compressed"]["system_seconds"] == pytest.approx(2.0 + 0.02 * later_updates)
+    assert report["training"]["compressed"]["ready_memory_low_mb"] == 5000.0 - 300.0 * tiny.train.updates
+    assert report["training"]["control"]["ready_memory_low_mb"] == 6001.0
     assert "## Where an update's seconds went" in md and "| forward backward |" in md
     assert "Where an update's seconds went" in first_out
     text = re.sub(r"base64,[A-Za-z0-9+/=]+", "", page)

@@ -1,6 +1,7 @@
 """What this machine computes on: whether it has a CUDA device, whether its
 training device runs bf16 natively, which cores a CPU rank takes, which
-malloc a process runs and how glibc's is told to keep the memory it frees.
+malloc a process runs and how glibc's is told to keep the memory it frees,
+and how much free memory a first touch gets without waiting for a VM's host.
 Imports nothing of the project's: every layer may use it. torch is imported
 only where the answer needs it."""
 
@@ -112,3 +113,64 @@ def malloc_in_use() -> str:
         return "tcmalloc"
     tunables = os.environ.get("GLIBC_TUNABLES")
     return f"glibc ({tunables})" if tunables else "glibc"
+
+
+REPORTED_ORDER = 9
+"""Free blocks of 2^9 pages (2 MiB with 4 KiB pages, a huge page) and up
+are what a balloon with free page reporting hands back to its host: Linux's
+page_reporting_order, whose default (and the value it falls back to when
+the kernel's command line asks for more than it allows) is this."""
+_REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+VIRTIO_BALLOON = "0x0005"
+"""The virtio device id of a memory balloon (/sys/bus/virtio/devices/*/device)."""
+BALLOON_F_REPORTING = 5
+"""The balloon's feature bit for free page reporting (VIRTIO_BALLOON_F_REPORTING)."""
+
+
+def free_page_reporting() -> bool:
+    """Whether this machine is a VM whose balloon reports free pages to its
+    host, which then takes their memory back (the avx512_bf16 EPYC's
+    Firecracker VM does). There, memory a process touches for the first
+    time costs what `ready_memory_mb` says."""
+    for device in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            features = (device / "features").read_text()
+            if (device / "device").read_text().strip() == VIRTIO_BALLOON and features[BALLOON_F_REPORTING] == "1":
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def ready_memory_mb() -> float | None:
+    """Free memory of this machine in blocks smaller than the ones a free
+    page reporting balloon hands to its host, MiB (/proc/buddyinfo); None
+    without procfs.
+
+    The kernel serves a page fault from the smallest free block it has, so
+    where the host takes back the larger blocks (`free_page_reporting`) this
+    is the memory processes can touch for the first time at the guest's own
+    cost: 0.5-0.6 s per GiB on the avx512_bf16 EPYC's VM. Past it, each first
+    touch splits a block the host took and waits for the host to give a page
+    again: 3-10 s per GiB there (README, "What stays on CPU, and why").
+    Elsewhere it is only fragmented free memory."""
+    try:
+        buddyinfo = Path("/proc/buddyinfo").read_text()
+    except OSError:
+        return None
+    try:
+        order = int(_REPORTING_ORDER.read_text())
+    except (OSError, ValueError):
+        order = REPORTED_ORDER
+    return free_blocks_mb(buddyinfo, order, os.sysconf("SC_PAGE_SIZE"))
+
+
+def free_blocks_mb(buddyinfo: str, below_order: int, page_bytes: int) -> float:
+    """The free memory /proc/buddyinfo's text lists in blocks of fewer than
+    2^below_order pages, MiB: each line is `Node N, zone NAME` and the number
+    of free blocks of 2^0, 2^1, ... pages."""
+    pages = 0
+    for line in buddyinfo.splitlines():
+        counts = line.split()[4:]
+        pages += sum(int(count) << order for order, count in enumerate(counts[:below_order]))
+    return pages * page_bytes / 2**20

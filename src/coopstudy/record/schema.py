@@ -230,6 +230,12 @@ the memory its processes touched for the first time inside the training window."
 M_BENCH_SYSTEM_PREFIX = "bench/system_seconds/"
 """+ arm, on the bench-arms parent run: train/system_seconds summed over the arm's updates and ranks: what
 the operating system took of its processes inside the training window (mostly the first touch of that memory)."""
+M_BENCH_READY_MEMORY_PREFIX = "bench/ready_memory_mb/"
+"""+ arm, on the bench-arms parent run: train/ready_memory_mb before the arm's first update, MiB: what
+first touches could take without waiting for the VM's host when the arm began."""
+M_BENCH_READY_MEMORY_LOW_PREFIX = "bench/ready_memory_low_mb/"
+"""+ arm, on the bench-arms parent run: the lowest train/ready_memory_mb after one of the arm's updates, MiB;
+near zero, the arm's later first touches waited for the host."""
 ART_BENCH_ARMS_TABLE = "bench_arms.json"
 """On the bench-arms parent run: the printed tables, one row per quantity (MLflow table)."""
 # --- dev-split ----------------------------------------------------------------
@@ -285,6 +291,13 @@ M_NEW_MEMORY_MB = "train/new_memory_mb"
 during the update, MiB: memory the process touched for the first time (the arms' malloc keeps what they
 free), whose page faults train/system_seconds holds. Every rank's is in train_summary.json
 (new_memory_mb_by_rank)."""
+M_READY_MEMORY_MB = "train/ready_memory_mb"
+"""On train arm, probe candidate and bench-arms runs, per update: the free memory of rank 0's machine in
+blocks smaller than a VM's balloon reports to its host (under 2 MiB), MiB, when the update ended
+(machine.ready_memory_mb): what first touches can still take at the guest's cost. Where the host takes
+back the larger blocks (free_page_reporting in train_summary.json), memory new to the processes beyond it
+costs seconds per GiB of train/system_seconds. train_summary.json's ready_memory_mb starts with the value
+before update 1."""
 M_RECORD_SECONDS = "train/record_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds writing the record
 inside the training window just before the update started (per-update metrics wait in memory and are

@@ -139,6 +139,8 @@ def train(
         phases: list[str | None] = []
         times: list[update.UpdateTimes] = []
         new_memory: list[float] = []
+        # Machine-wide, so rank 0's reading stands for its host (None without procfs).
+        ready_memory = [machine.ready_memory_mb()] if ctx.is_main else []
         computed = local_tokens = 0
         pending = _Pending(rec)
         # Seconds of the write inside the window just before the next update.
@@ -163,6 +165,8 @@ def train(
                     # Memory the process touched for the first time: its allocator keeps
                     # what it frees (launch.set_malloc), so the peak grows only by new pages.
                     new_memory.append(capacity.peak_rss_mb() - peak_before)
+                    if ctx.is_main:
+                        ready_memory.append(machine.ready_memory_mb())
                     if probing is not None:
                         probing.updated(last_end - start)
                     phases.append(result.comm.phase if result.comm else None)
@@ -171,26 +175,26 @@ def train(
                     local_tokens += result.local_tokens
                     if rec is not None:
                         t = result.times
-                        pending.add(
-                            {
-                                schema.M_LOSS: result.loss,
-                                schema.M_GRAD_NORM: result.grad_norm,
-                                schema.M_LR: result.lr,
-                                schema.M_UPDATE_SECONDS: last_end - start,
-                                schema.M_TOKENS: result.tokens,
-                                # One worker's collective payload; the control sends nothing.
-                                schema.M_BYTES: result.comm.total if result.comm else 0,
-                                schema.M_FORWARD_BACKWARD_SECONDS: t.forward_backward,
-                                schema.M_COMM_SECONDS: t.communication,
-                                schema.M_COMM_ARITHMETIC_SECONDS: t.communication_arithmetic,
-                                schema.M_OPTIMIZER_SECONDS: t.optimizer,
-                                schema.M_OTHER_SECONDS: t.other,
-                                schema.M_SYSTEM_SECONDS: t.system,
-                                schema.M_NEW_MEMORY_MB: new_memory[-1],
-                                schema.M_RECORD_SECONDS: record_seconds,
-                            },
-                            k,
-                        )
+                        metrics = {
+                            schema.M_LOSS: result.loss,
+                            schema.M_GRAD_NORM: result.grad_norm,
+                            schema.M_LR: result.lr,
+                            schema.M_UPDATE_SECONDS: last_end - start,
+                            schema.M_TOKENS: result.tokens,
+                            # One worker's collective payload; the control sends nothing.
+                            schema.M_BYTES: result.comm.total if result.comm else 0,
+                            schema.M_FORWARD_BACKWARD_SECONDS: t.forward_backward,
+                            schema.M_COMM_SECONDS: t.communication,
+                            schema.M_COMM_ARITHMETIC_SECONDS: t.communication_arithmetic,
+                            schema.M_OPTIMIZER_SECONDS: t.optimizer,
+                            schema.M_OTHER_SECONDS: t.other,
+                            schema.M_SYSTEM_SECONDS: t.system,
+                            schema.M_NEW_MEMORY_MB: new_memory[-1],
+                            schema.M_RECORD_SECONDS: record_seconds,
+                        }
+                        if ready_memory[-1] is not None:
+                            metrics[schema.M_READY_MEMORY_MB] = ready_memory[-1]
+                        pending.add(metrics, k)
                         advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
                         record_seconds = pending.write() if k < len(schedule) and pending.due() else 0.0
         except BaseException as err:
@@ -236,6 +240,10 @@ def train(
                 "times_by_rank": times_by_rank,
                 # Every rank's peak resident set growth per update, MiB (schema.M_NEW_MEMORY_MB).
                 "new_memory_mb_by_rank": new_memory_by_rank,
+                # Whether rank 0's host takes back free memory, and what it had ready for first
+                # touches before update 1 and after each update, MiB (schema.M_READY_MEMORY_MB).
+                "free_page_reporting": machine.free_page_reporting(),
+                "ready_memory_mb": ready_memory,
                 # Real tokens / computed positions of rank 0's forwards: 1.0, packed.
                 "padding_efficiency": local_tokens / computed if computed else 1.0,
                 "inputs_sha256": prepared.digest,
