@@ -37,7 +37,9 @@ ratio (what the ratio would be if gradient communication and recording were
 free), the training FLOP/s each device achieved and the single-thread
 matmul peak measured in the same run (before and after the arms) that it is
 a fraction of, and per arm and rank the memory new to the process inside the
-window (first touch: train/new_memory_mb) with the system seconds it cost.
+window (first touch: train/new_memory_mb) with the system seconds it cost,
+and per arm the free memory the machine had ready for first touches before
+update 1 and at its lowest after an update (train/ready_memory_mb).
 
 Documents come from the prepared inputs of the preset when they exist
 (`prepare` has run); otherwise synthetic documents of realistic shape are
