@@ -72,25 +72,13 @@ def _training(records: Records) -> dict[str, Any]:
             "median_update_seconds": float(group["update_seconds"].median()),
             # Rank 0's first touch over the window: memory new to its process, and the
             # operating system's seconds (README, "What stays on CPU, and why").
-            "new_memory_mb": _sum(group["new_memory_mb"]),
-            "system_seconds": _sum(group["system_seconds"]),
+            "new_memory_mb": _logged(group["new_memory_mb"], "sum"),
+            "system_seconds": _logged(group["system_seconds"], "sum"),
             # The least free memory the machine had ready for first touches after an update:
             # near zero, later first touches waited for the VM's host.
-            "ready_memory_low_mb": _least(group["ready_memory_mb"]),
+            "ready_memory_low_mb": _logged(group["ready_memory_mb"], "min"),
         }
     return out
-
-
-def _sum(values) -> float | None:
-    """None where the record has no value (runs from before it was recorded)."""
-    values = values.dropna()
-    return float(values.sum()) if len(values) else None
-
-
-def _least(values) -> float | None:
-    """None where the record has no value (runs from before it was recorded, or without procfs)."""
-    values = values.dropna()
-    return float(values.min()) if len(values) else None
 
 
 def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:
@@ -101,14 +89,15 @@ def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:
         out[phase] = {"updates": [steps[0], steps[-1]]}
         for arm in ARMS:
             group = rows[rows["arm"] == arm]
-            out[phase][arm] = {part: _median(group[part]) for part in BREAKDOWN_JSON}
+            out[phase][arm] = {part: _logged(group[part], "median") for part in BREAKDOWN_JSON}
     return out
 
 
-def _median(values) -> float | None:
-    """None where the record has no value (runs from before the breakdown was recorded)."""
+def _logged(values, statistic: str) -> float | None:
+    """The pandas `statistic` (sum, min, median) of the values the record holds; None where it
+    holds none (runs from before a metric was recorded, ready memory without procfs)."""
     values = values.dropna()
-    return float(values.median()) if len(values) else None
+    return float(getattr(values, statistic)()) if len(values) else None
 
 
 def _accuracy(records: Records) -> dict[str, Any]:

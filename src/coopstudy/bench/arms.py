@@ -148,8 +148,9 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                 summary = got["summary"]
                 metrics[f"{schema.M_BENCH_NEW_MEMORY_PREFIX}{arm}"] = sum(map(sum, summary["new_memory_mb_by_rank"]))
                 metrics[f"{schema.M_BENCH_SYSTEM_PREFIX}{arm}"] = sum(sum(r["system"]) for r in summary["times_by_rank"])
-                ready = [mb for mb in summary["ready_memory_mb"] if mb is not None]
-                if ready:
+                # Before update 1, then after each; None throughout without procfs.
+                ready = summary["ready_memory_mb"]
+                if ready[0] is not None:
                     metrics[f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}"] = ready[0]
                     metrics[f"{schema.M_BENCH_READY_MEMORY_LOW_PREFIX}{arm}"] = min(ready[1:])
             if len(results) == 2:
@@ -222,17 +223,15 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
             per_gib = system / (new_mb / 1024) if new_mb > 0 else math.nan
             add(table, arm, str(r), f"{new_mb:,.0f}", f"{system:.1f}", f"{per_gib:.1f}", "; ".join(grew) or "none")
     console.print(table)
-    if any(f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}" in metrics for arm in results):
+    measured = [arm for arm in results if f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}" in metrics]
+    if measured:
         reporting = "it takes back larger ones" if results[arms[0]]["summary"]["free_page_reporting"] else "it takes back none"
         table = Table(title=f"memory the machine had ready for first touch: free, in blocks under 2 MiB (the VM's host: {reporting})")
         for column in ("arm", "MiB before update 1", "lowest after an update, MiB", "at update"):
             table.add_column(column, justify="left" if column == "arm" else "right")
-        for arm, got in results.items():
-            ready = got["summary"]["ready_memory_mb"]
-            if ready[0] is None:
-                continue
-            low = min(range(1, len(ready)), key=lambda k: ready[k])
-            add(table, arm, f"{ready[0]:,.0f}", f"{ready[low]:,.0f}", str(low))
+        for arm in measured:
+            first, low = metrics[f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}"], metrics[f"{schema.M_BENCH_READY_MEMORY_LOW_PREFIX}{arm}"]
+            add(table, arm, f"{first:,.0f}", f"{low:,.0f}", str(results[arm]["summary"]["ready_memory_mb"].index(low, 1)))
         console.print(table)
     table = Table(title=f"training FLOP/s per device, {updates} updates, {cfg.train.precision}")
     table.add_column("quantity")
