@@ -130,8 +130,8 @@ BALLOON_F_REPORTING = 5
 def free_page_reporting() -> bool:
     """Whether this machine is a VM whose balloon reports free pages to its
     host, which then takes their memory back (the Firecracker VMs this
-    project has run on do, the EPYC's and the AMX Xeon's). There, memory a process touches for the first
-    time costs what `ready_memory_mb` says."""
+    project has run on do, the EPYC's and the AMX Xeon's). There, memory a
+    process touches for the first time costs what `ready_memory_mb` says."""
     for device in Path("/sys/bus/virtio/devices").glob("*"):
         try:
             features = (device / "features").read_text()
