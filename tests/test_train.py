@@ -8,6 +8,7 @@ prerequisites train checks), then every test reads the runs it made.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -244,3 +245,29 @@ def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
     assert not (workspace.home() / "checkpoints" / run_id).exists()
     summary = store.download_artifact(run_id, schema.ART_TRAIN_SUMMARY, tmp_path)
     assert '"updates": 2' in summary.read_text()
+
+
+def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(tmp_path, monkeypatch):
+    # Once one rank has failed, the launcher sends SIGTERM to the others, which
+    # may be recording their own error at that moment.
+    from coopstudy.record import writer
+    from coopstudy.run import worker
+
+    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    client = store.client()
+    run = client.create_run(client.create_experiment("sigterm"))
+    sent = writer.Recorder.set_tags
+
+    def sigterm_then_set_tags(self, tags):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent(self, tags)
+
+    monkeypatch.setattr(writer.Recorder, "set_tags", sigterm_then_set_tags)
+    before = signal.signal(signal.SIGTERM, worker._on_sigterm)  # as the worker's main installs it
+    try:
+        worker._record_error(run.info.run_id, 0, RuntimeError("Connection closed by peer"))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    said = client.get_run(run.info.run_id).data.tags.get(f"{schema.TAG_WORKER_ERROR_PREFIX}0", "")
+    assert said.startswith("RuntimeError: Connection closed by peer"), said

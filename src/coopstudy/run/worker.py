@@ -313,6 +313,10 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
 def _record_error(run_id: str, rank: int, err: BaseException) -> None:
     """Keep this process's error on the run; the stage's own error tag says
     what it saw from outside (exit codes), this says why."""
+    # The process is ending. Once one rank has failed the launcher sends the
+    # others SIGTERM, within a tenth of a second (run.one_host_launcher), often
+    # while they record their own failure: it must not cut that record short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         rec = writer.Recorder(run_id)
         rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": errors.labelled(err)[: writer.MAX_TAG_CHARS]})
