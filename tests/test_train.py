@@ -20,8 +20,8 @@ from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, workspace
 from coopstudy.errors import RefusedError
-from coopstudy.record import schema, store
-from coopstudy.run import launch, lock
+from coopstudy.record import schema, store, writer
+from coopstudy.run import launch, lock, worker
 
 pytestmark = pytest.mark.slow
 
@@ -247,14 +247,9 @@ def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
     assert '"updates": 2' in summary.read_text()
 
 
-def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(tmp_path, monkeypatch):
+def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(monkeypatch):
     # Once one rank has failed, the launcher sends SIGTERM to the others, which
     # may be recording their own error at that moment.
-    from coopstudy.record import writer
-    from coopstudy.run import worker
-
-    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     client = store.client()
     run = client.create_run(client.create_experiment("sigterm"))
     sent = writer.Recorder.set_tags

@@ -198,6 +198,7 @@ def train(
                         advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
                         record_seconds = pending.write() if k < len(schedule) and pending.due() else 0.0
         except BaseException as err:
+            _ending()
             # A failed run keeps what it measured; the failure matters more than its record.
             with contextlib.suppress(Exception):
                 pending.close()
@@ -313,16 +314,22 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
 def _record_error(run_id: str, rank: int, err: BaseException) -> None:
     """Keep this process's error on the run; the stage's own error tag says
     what it saw from outside (exit codes), this says why."""
-    # The process is ending. Once one rank has failed the launcher sends the
-    # others SIGTERM, within a tenth of a second (run.one_host_launcher), often
-    # while they record their own failure: it must not cut that record short.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ending()
     try:
         rec = writer.Recorder(run_id)
         rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": errors.labelled(err)[: writer.MAX_TAG_CHARS]})
         rec.log_text("".join(traceback.format_exception(err)), f"{schema.ART_WORKER_ERROR_PREFIX}{rank}.txt")
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
         pass
+
+
+def _ending() -> None:
+    """From here on the process only records its failure and exits: SIGTERM
+    is ignored. Once one rank has failed the launcher sends the others SIGTERM
+    within a tenth of a second (run.one_host_launcher), often while they write
+    what they measured or why they failed, and `_on_sigterm`'s exception would
+    cut that record short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
