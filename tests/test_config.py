@@ -4,6 +4,7 @@ with one line and exit 2."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from coopstudy import config, machine
 from coopstudy.errors import ConfigError
@@ -73,6 +74,11 @@ def test_overrides_are_typed():
         ("data.max_context=4", "data.max_context"),
         ("train.warmup_updates=99", "train.warmup_updates"),
         ("noequals", "expected key=value"),
+        # Infinity passes `> 0` and fails far later (a timeout of inf overflows).
+        ("train.lr=inf", "train.lr: Input should be a finite number"),
+        ("screens.min_speedup=nan", "screens.min_speedup: Input should be a finite number"),
+        ("distributed.collective_timeout_s=.inf", "distributed.collective_timeout_s: Input should be a finite number"),
+        ("train.updates=true", "train.updates: expected a number, not a boolean"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -90,6 +96,36 @@ def test_cli_refuses_bad_config_with_one_line(cli):
     assert len(lines) == 1, res.stderr
     assert "arms.control.microbatch" in lines[0]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        ("- model\n- data\n", "expected a mapping of sections, got a list"),
+        ("tiny\n", "expected a mapping of sections, got a str"),
+        (b"model:\n  source: \xff\n", "not UTF-8 text"),
+    ],
+)
+def test_a_preset_file_that_is_no_config_is_one_line(content, said, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as err:
+        config.load(str(path))
+    assert str(err.value) == f"preset {path}: {said}"
+
+
+def test_a_preset_path_that_does_not_exist_is_no_such_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        config.load(str(tmp_path / "mine.yaml"))
+    assert str(err.value) == f"preset {tmp_path / 'mine.yaml'}: no such file"
+
+
+def test_overrides_in_one_word_may_hold_values_with_spaces(cli):
+    # `mlflow run -P overrides=...` hands every override over as one word.
+    res = cli("prepare", "--preset", "tiny", "--set", "data.families=[gcd, products]  train.lr=2e-4", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    cfg = config.Config.model_validate(yaml.safe_load(res.stdout))
+    assert (cfg.data.families, cfg.train.lr) == (("gcd", "products"), 2e-4)
 
 
 def test_cli_unknown_preset(cli):

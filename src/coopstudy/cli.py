@@ -19,6 +19,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -72,6 +73,13 @@ def _with_experiment(overrides: list[str]) -> list[str]:
     return [*overrides, f"experiment={named}"] if named else overrides
 
 
+def _split_overrides(item: str) -> list[str]:
+    """MLproject passes all overrides as one word, or an empty one. A word
+    starts a new override only where a `key=` follows the space, so a value
+    may hold spaces: `data.families=[gcd, products]`."""
+    return [o for o in re.split(r"\s+(?=[A-Za-z_][\w.]*=)", item.strip()) if o]
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only`, just that command's sub-parser: a command
     then imports no other command's module (some import torch at the top)."""
@@ -108,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not hasattr(args, "preset"):
             return int(args._module.main(args) or 0)
-        # MLproject passes all overrides as one word, or an empty one.
-        overrides = [o for item in args.overrides for o in item.split()]
+        overrides = [o for item in args.overrides for o in _split_overrides(item)]
         cfg = config_mod.load(args.preset, _with_experiment(overrides))
         if args.dry_run:
             print(config_mod.to_yaml(cfg), end="")

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from coopstudy import machine, workspace
 from coopstudy.errors import ConfigError
@@ -26,6 +35,7 @@ ALLOCATORS = ("default", "expandable")
 TRAINING_ALLOCATOR = "expandable"
 """The allocator setting of both arms' full runs (the protocol's); probes try others."""
 
+_NUMBERS = (int, float, int | None, float | None)
 PositiveInt = Field(gt=0)
 NonNegInt = Field(ge=0)
 
@@ -33,7 +43,17 @@ NonNegInt = Field(ge=0)
 class _Section(BaseModel):
     # Unknown keys are refused: a typo in a preset must not silently fall back
     # to a default and change the study.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # Infinity and NaN pass a `gt=0` check and fail much later (a timeout of
+    # inf overflows), so every float must be finite.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads `true` as a boolean, and lax validation would take it as 1.
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class ModelConfig(_Section):
@@ -302,6 +322,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The preset's config with overrides applied, validated."""
     path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and not path.is_file():
+        raise ConfigError(f"preset {path}: no such file")
     if path.suffix not in (".yaml", ".yml"):
         path = workspace.project_root() / PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
@@ -313,9 +335,15 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
             )
         raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"preset {path}: not valid YAML ({err.__class__.__name__})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"preset {path}: not UTF-8 text") from None
+    except OSError as err:
+        raise ConfigError(f"preset {path}: cannot read it ({err.strerror})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"preset {path}: expected a mapping of sections, got a {type(raw).__name__}")
     raw.setdefault("preset", path.stem)
     return from_dict(apply_overrides(raw, list(overrides)))
 

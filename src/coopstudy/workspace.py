@@ -1,8 +1,8 @@
 """Where the study keeps its files: prepared inputs, seed checkpoints, final
 weights, the ledger and locks. One folder, `.coopstudy/` in the project the
 command runs in (beside MLflow's local default store, `mlflow.db`); the
-environment variable COOPSTUDY_HOME moves it. Imports nothing of the
-project's: every layer may use it."""
+environment variable COOPSTUDY_HOME moves it. Imports only the project's
+errors: every layer may use it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
+
+from coopstudy.errors import UserError
 
 HOME_VARIABLE = "COOPSTUDY_HOME"
 WEIGHTS_FILE = "model.safetensors"
@@ -29,7 +31,13 @@ def project_root() -> Path:
 
 def home() -> Path:
     root = Path(os.environ.get(HOME_VARIABLE) or project_root() / ".coopstudy")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next(p for p in (root, *root.parents) if p.exists())
+        raise UserError(f"the study's home {root}: {blocking} is a file, not a folder (set {HOME_VARIABLE} to move it)") from None
+    except PermissionError:
+        raise UserError(f"the study's home {root}: permission denied (set {HOME_VARIABLE} to move it)") from None
     return root
 
 

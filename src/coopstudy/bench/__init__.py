@@ -18,6 +18,14 @@ its real tokens (the rows differ in size, and the seconds follow them), both
 times, their ratio, and the batched update's seconds in the kernel (memory
 first touched, UpdateTimes.system).
 
+Documents come from the prepared inputs of the preset when they exist
+(`prepare` has run); otherwise synthetic documents of realistic shape are
+made and the table says so: task documents of 80-220 tokens whose last 2-10
+tokens are answer tokens of weight 8, and replay documents of 150 tokens up to
+data.max_context that alternate prompt (0) and assistant (1) segments, three
+tasks to one replay document as in the protocol, in the preset's schedule
+shape (train.updates global batches of train.global_batch).
+
 `arms`: both arms' real training loops, one after the other (control first),
 each launched exactly as `train` launches it (coopstudy.run.launch: the
 control one plain `python -m coopstudy worker` process, the compressed arm
@@ -41,14 +49,6 @@ window (first touch: train/new_memory_mb) with the system seconds it cost,
 and per arm the free memory the machine had ready for first touches before
 update 1 and at its lowest after an update (train/ready_memory_mb).
 
-Documents come from the prepared inputs of the preset when they exist
-(`prepare` has run); otherwise synthetic documents of realistic shape are
-made and the table says so: task documents of 80-220 tokens whose last 2-10
-tokens are answer tokens of weight 8, and replay documents of 150 tokens up to
-data.max_context that alternate prompt (0) and assistant (1) segments, three
-tasks to one replay document as in the protocol, in the preset's schedule
-shape (train.updates global batches of train.global_batch).
-
 `generate`: batched against one-at-a-time greedy generation on the seed model.
 Draws test-like cases (the families and test seed of the preset, the prompt
 form of the final test; nothing from the prepared files is needed), generates
@@ -62,6 +62,7 @@ arm: torch keeps its default thread count, which is printed.
 from __future__ import annotations
 
 import argparse
+import re
 
 from coopstudy import ui
 from coopstudy.config import ARMS, Config
@@ -73,28 +74,40 @@ HELP = "benchmarks: the packed update against the per-document reference; both a
 DESCRIPTION = __doc__
 
 
+def _described(name: str) -> str:
+    """What the module's docstring says of bench `name`: its paragraphs, from
+    the one that starts with `name` to the next bench's."""
+    text = __doc__.split(f"\n`{name}`: ", 1)[1]
+    return f"{name}: " + re.split(r"\n\n`\w+`: ", text, maxsplit=1)[0].strip()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from coopstudy.cli import add_config_arguments
 
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = sub.add_parser("objective", help="batched update against the per-document reference")
-    add_config_arguments(p)
+
+    def bench(name: str, summary: str) -> argparse.ArgumentParser:
+        b = sub.add_parser(name, help=summary, description=_described(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_config_arguments(b)
+        return b
+
+    p = bench("objective", "batched update against the per-document reference")
     p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
     p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
                    help="prepared inputs, synthetic documents, or prepared when they exist (default)")  # fmt: skip
-    a = sub.add_parser("arms", help="both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
-    add_config_arguments(a)
+    a = bench("arms", "both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
     a.add_argument("--updates", type=int, default=None,
                    help="updates of each arm (default: train.updates, the whole schedule, as the study runs it;"
                         " fewer give a quick look whose compressed phase is mostly its first, slowest updates)")  # fmt: skip
     a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
-    g = sub.add_parser("generate", help="batched against one-at-a-time greedy generation on the seed model")
-    add_config_arguments(g)
+    g = bench("generate", "batched against one-at-a-time greedy generation on the seed model")
     g.add_argument("--items", type=int, default=32, help="test cases to generate (default 32)")
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.bench == "generate":
+        if args.items < 1:
+            raise UserError("--items: at least 1")
         from coopstudy.bench import generate
 
         return generate.measure(cfg, args.items)

@@ -442,7 +442,18 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
 
 
 HELP = "the tracking server: check that it answers, deliver records kept during an outage"
-DESCRIPTION = __doc__
+DESCRIPTION = """\
+When the study's store is a tracking server (MLFLOW_TRACKING_URI or the
+project's mlruns_remote.txt names an http(s) URI), every step first checks
+that it answers and takes writes, and stops with one line if not. If the
+server stops answering during a run, the run goes on: what could not be
+written waits in <home>/outbox/<run id>.jsonl, in order, and is sent when
+the server answers again; what is still waiting at the run's end is named,
+with the command that delivers it.
+
+  check    run that preflight alone, without starting a step
+  deliver  send the records that wait in the outbox, once the server is back
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -451,7 +462,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="only these runs' outboxes (default: all)")
     d.add_argument("--tracking-uri", default=None, help="deliver here instead of the server the records were written for")
     c = sub.add_parser("check", help="the preflight alone: does the tracking server answer and take writes?")
-    c.add_argument("--experiment", default=store.DEFAULT_EXPERIMENT)
+    c.add_argument("--experiment", default=store.DEFAULT_EXPERIMENT,
+                   help=f"the experiment that must take writes (default: {store.DEFAULT_EXPERIMENT})")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

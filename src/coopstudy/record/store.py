@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -190,8 +191,17 @@ def tracking_uri() -> str:
 
 def client():
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
-    return MlflowClient(tracking_uri=tracking_uri())
+    uri = tracking_uri()
+    try:
+        return MlflowClient(tracking_uri=uri)
+    except MlflowException as err:
+        # An unknown scheme is a typo in the user's URI; MLflow's message lists
+        # the schemes it knows, which is the useful part of it.
+        known = re.search(r"Supported URI schemes are: \[[^]]*\]", err.message)
+        why = known.group(0) if known else " ".join(err.message.split())
+        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}) cannot be opened. {why}") from None
 
 
 def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:

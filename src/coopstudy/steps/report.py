@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from coopstudy import workspace
 from coopstudy.config import Config
+from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 
 if TYPE_CHECKING:
@@ -125,7 +126,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         screens = sc.compute(records.cases, records.retention, records.train, cfg.screens)
         report = rep.build(records, screens, cfg)
         folder = Path(out) if out else workspace.home() / "reports" / records.key.folder
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"--out {folder}: cannot make a folder there ({err.strerror})") from None
         plots = rep.figures(records, report)
         markdown = rep.to_markdown(report)
         files = {
