@@ -5,7 +5,7 @@ The tiny study's expensive states are made once per session, as a user makes
 them, through the CLI: the tiny seed, the prepared store, the verified and
 probed store. A test gets its own copy (`prepared_tiny`, `probed_tiny`, or a
 module-wide one from `module_store`), so it may change or break it freely.
-Loaded by conftest (`pytest_plugins`).
+Imported by conftest (`from fixtures import *`), which makes them every test's.
 """
 
 from __future__ import annotations

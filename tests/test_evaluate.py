@@ -156,9 +156,10 @@ def test_generation_stops_at_end_of_turn(model, tokenizer):
     stop = free[0].tokens[3]
     cut = scoring.generate(model, prompts, max_new_tokens=12, batch_size=4, stop=[stop], pad_id=pad)
     assert cut[0].finished and cut[0].tokens == free[0].tokens[: free[0].tokens.index(stop)]
-    for before, after in zip(free[1:], cut[1:]):
-        if stop not in before.tokens:
-            assert after == before
+    untouched = [(before, after) for before, after in zip(free[1:], cut[1:]) if stop not in before.tokens]
+    assert untouched, "every prompt produced the stop token; pick another"
+    for before, after in untouched:
+        assert after == before
 
 
 @dataclass(frozen=True)

@@ -375,8 +375,8 @@ def test_tampered_commitment_is_refused_naming_it(case, request, tmp_path):
     failed = [r for r in _runs(store, f"tags.`{schema.TAG_STAGE}` = '{stage}'") if r.info.run_id not in statuses]
     assert failed and failed[0].info.status == "FAILED", [r.info.status for r in failed]
     assert failed[0].data.tags[schema.TAG_ERROR] == line.removeprefix(prefix)
-    # Nothing deleted or overwritten: every file as it was (the tampered one
-    # included), every earlier run as it ended.
+    # Nothing deleted or overwritten: every file of the study folder as it was
+    # (the tampered one too, where it lies there), every earlier run as it ended.
     after = _snapshot(store)
     assert {k: after.get(k) for k in files} == files
     assert {k: v for k, v in _statuses(store).items() if k in statuses} == statuses
@@ -616,12 +616,11 @@ def _full_disk_for_prepared_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_disk_full_while_writing_prepared_inputs_keeps_nothing_half_written(tiny_seed, monkeypatch, capsys):
     with monkeypatch.context() as full:
         _full_disk_for_prepared_inputs(full)
-        try:
-            code = cli.main(["prepare", "--preset", "tiny"])
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-            code = None
-    assert code in (None, 2)
+        code = cli.main(["prepare", "--preset", "tiny"])
+    assert code == 2
+    # Progress lines come first; the error is the last line.
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("coopstudy prepare: error: No space left on device writing ") and line.endswith("; free some space and run it again")
     home = workspace.home()
     assert [p.name for p in (home / "prepared").iterdir()] == []  # no folder, no temporary one
     assert not ledger.Ledger().entries()
@@ -724,8 +723,20 @@ def _preset(tmp: Path, edit: Callable[[str], str]) -> str:
     return str(path)
 
 
+def _a_file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("")
+    return tmp / "a-file"
+
+
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
+    "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
+    "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
+    "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: at least 1"),
+    "report --out below a file": (
+        lambda tmp: ("report", "--preset", "tiny", "--out", str(_a_file(tmp) / "report")),
+        "/a-file/report: cannot make it (Not a directory)",
+    ),
     "preset with a YAML syntax error": (
         lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("model:", "model: [", 1))),
         "not valid YAML",
@@ -781,8 +792,24 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith(f"coopstudy {argv[0]}: error: ") and expected in lines[0], lines[0]
-    # Refused before anything was started or prepared.
-    assert not (workspace.home() / "prepared").exists() or not list((workspace.home() / "prepared").iterdir())
+    # Refused before anything was prepared or trained.
+    home = workspace.home()
+    assert not [p for folder in ("prepared", "checkpoints") if (home / folder).exists() for p in (home / folder).iterdir()]
+
+
+@pytest.mark.parametrize(
+    "variable, value, said",
+    [
+        ("MLFLOW_TRACKING_URI", "foo://bar", "tracking URI 'foo://bar' (from MLFLOW_TRACKING_URI) cannot be opened. Supported URI schemes are: ["),
+        ("COOPSTUDY_HOME", "{file}/home", "{file} is a file, not a folder (set COOPSTUDY_HOME to move it)"),
+    ],
+)
+def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
+    file = _a_file(tmp_path)
+    done = run_cli("prepare", "--preset", "tiny", env={variable: value.format(file=file)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("coopstudy prepare: error: ") and said.format(file=file) in line, line
 
 
 @pytest.fixture

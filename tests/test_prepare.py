@@ -58,7 +58,7 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     assert run.data.params[schema.PARAM_SEED_PARAMETERS] == str(manifest["seed_model"]["parameters"])
 
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
-    assert set(inputs) == set(data.FILES)
+    assert set(inputs) == set(manifest["files"]) == {data.TRAIN, data.RETENTION, data.TEST, data.SCHEDULE}
     for name, d in inputs.items():
         assert d.dataset.digest == manifest["files"][name]["sha256"][:36]
         assert json.loads(d.dataset.source)["sha256"] == manifest["files"][name]["sha256"]

@@ -20,7 +20,10 @@ def test_uri_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")
     assert store.tracking_uri() == "sqlite:///x.db"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert store._uri_from_file(remote) == "http://127.0.0.1:5999"
+    # A server URI sets MLflow's HTTP retry variables; these are undone after the test.
+    for name, value in store.HTTP_DEFAULTS.items():
+        monkeypatch.setenv(name, value)
+    assert store.tracking_uri() == "http://127.0.0.1:5999"
 
 
 def test_blank_remote_file_means_mlflow_default(monkeypatch, tmp_path):

@@ -136,12 +136,3 @@ def commit(cfg: Config, plan_sha: str, found: dict[str, Candidate], select_run_i
             cand.sha256,
             {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
         )
-
-
-def select_final(cfg: Config, plan_sha: str, select_run_id: str, ledger: ledger_mod.Ledger) -> dict[str, Candidate]:
-    """Commit each arm's final checkpoint, once per plan (two selects at once:
-    the second waits for the ledger, then refuses)."""
-    with ledger.locked():
-        found = final_candidates(cfg, plan_sha, ledger)
-        commit(cfg, plan_sha, found, select_run_id, ledger)
-    return found

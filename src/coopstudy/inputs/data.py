@@ -36,7 +36,6 @@ from coopstudy.inputs import chat, conversations, tasks
 from coopstudy.inputs.seed import Seed
 
 TRAIN, RETENTION, TEST, SCHEDULE = "train.jsonl", "retention.jsonl", "test.jsonl", "schedule.json"
-FILES = (TRAIN, RETENTION, TEST, SCHEDULE)
 MANIFEST = "manifest.json"
 FORMAT = 1
 

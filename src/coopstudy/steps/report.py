@@ -110,6 +110,13 @@ def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"report folder {folder}: cannot make it ({err.strerror})") from None
+
+
 def run(cfg: Config, args: argparse.Namespace) -> int:
     _make_analysis_importable()
     from analysis import records as records_mod
@@ -120,16 +127,16 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     # The run opens first so that a refusal stays on record as a FAILED report run.
     with writer.stage_run(schema.STAGE_REPORT, cfg) as rec:
+        if out:
+            # A folder that cannot be made is said before the record is read.
+            _make_folder(Path(out))
         records = records_mod.load(cfg, plan)
         if records.plan:
             rec.set_tags({schema.TAG_PLAN: records.plan})
         screens = sc.compute(records.cases, records.retention, records.train, cfg.screens)
         report = rep.build(records, screens, cfg)
         folder = Path(out) if out else workspace.home() / "reports" / records.key.folder
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"--out {folder}: cannot make a folder there ({err.strerror})") from None
+        _make_folder(folder)
         plots = rep.figures(records, report)
         markdown = rep.to_markdown(report)
         files = {
