@@ -792,9 +792,16 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith(f"coopstudy {argv[0]}: error: ") and expected in lines[0], lines[0]
-    # Refused before anything was prepared or trained.
+    # Refused before anything was started: the study folder holds the seed and,
+    # for --nodes, the hostfile written as the options are read (no prepared
+    # inputs, plan, lock, checkpoint or ledger); a run on record is the refused
+    # step's own, FAILED.
     home = workspace.home()
-    assert not [p for folder in ("prepared", "checkpoints") if (home / folder).exists() for p in (home / folder).iterdir()]
+    derived = {"launch"} if "--nodes" in argv else set()
+    assert {p.name for p in home.iterdir()} - derived == {"seeds"}, sorted(home.iterdir())
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert all(r.info.status == "FAILED" and r.data.tags[schema.TAG_STAGE] == argv[0] for r in runs), runs
 
 
 @pytest.mark.parametrize(
