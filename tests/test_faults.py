@@ -728,11 +728,37 @@ def _a_file(tmp: Path) -> Path:
     return tmp / "a-file"
 
 
+def _a_folder(tmp: Path, name: str) -> Path:
+    (tmp / name).mkdir()
+    return tmp / name
+
+
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
     "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
-    "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: at least 1"),
+    "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
+    "bench generate --items 10**20": (
+        lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", str(10**20)),
+        "--items: from 1 to 100,000 (got 100,000,000,000,000,000,000)",
+    ),
+    "--set of a huge integer": (lambda tmp: ("prepare", "--preset", "tiny", "--set", f"train.updates={10**30}"), "train.updates: at most 2,147,483,647 in size"),
+    "a schedule too long to write": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.updates=1000000"),
+        "train.updates: 1000000 updates of 8 documents are 8,000,000 schedule slots; at most 1,048,576",
+    ),
+    "a family option reasoning-gym refuses": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gcd: {min_value: -5}}"),
+        "data.families: reasoning-gym cannot make 'gcd': min_value must be positive",
+    ),
+    "options for a family not studied": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gdc: {min_value: 5}}"),
+        "data.family_options: gdc is not among data.families (gcd, ",
+    ),
+    "replay source that is a folder": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", f"data.replay_source={_a_folder(tmp, 'chats.jsonl')}"),
+        "/chats.jsonl is a folder, not a file",
+    ),
     "report --out below a file": (
         lambda tmp: ("report", "--preset", "tiny", "--out", str(_a_file(tmp) / "report")),
         "/a-file/report: cannot make it (Not a directory)",
@@ -761,6 +787,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         "names 1 host(s); the compressed arm needs 2",
     ),
     "hostfile: missing": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(tmp / "nope")), "no such file"),
+    "hostfile: a folder": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(_a_folder(tmp, "hosts"))), "/hosts: a folder, not a file"),
+    "probe's hostfile: a line that is no host": (
+        lambda tmp: ("probe", "--preset", "tiny", "--hostfile", _hostfile(tmp, "host-a slots=1\nhost-b two\n")),
+        "line 2: 'host-b two' is not `HOST slots=N`",
+    ),
     "--nodes without the rendezvous": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "1"),
         "--nodes 2 needs --master-addr, --master-port",
@@ -809,14 +840,19 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     [
         ("MLFLOW_TRACKING_URI", "foo://bar", "tracking URI 'foo://bar' (from MLFLOW_TRACKING_URI) cannot be opened. Supported URI schemes are: ["),
         ("COOPSTUDY_HOME", "{file}/home", "{file} is a file, not a folder (set COOPSTUDY_HOME to move it)"),
+        # MLflow would let SQLAlchemy's traceback out of the first, and retry the second for minutes.
+        ("MLFLOW_TRACKING_URI", "sqlite:///{text}", "tracking URI 'sqlite:///{text}' (from MLFLOW_TRACKING_URI): {text} is not an SQLite database"),
+        ("MLFLOW_TRACKING_URI", "sqlite:///{folder}", "{folder} is a folder, not a database file"),
     ],
 )
 def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
-    file = _a_file(tmp_path)
-    done = run_cli("prepare", "--preset", "tiny", env={variable: value.format(file=file)})
+    paths = {"file": _a_file(tmp_path), "folder": tmp_path, "text": tmp_path / "notes.txt"}
+    paths["text"].write_text("not a database\n")
+    done = run_cli("prepare", "--preset", "tiny", env={variable: value.format(**paths)}, timeout=60)
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("coopstudy prepare: error: ") and said.format(file=file) in line, line
+    assert line.startswith("coopstudy prepare: error: ") and said.format(**paths) in line, line
+    assert paths["text"].read_text() == "not a database\n"
 
 
 @pytest.fixture

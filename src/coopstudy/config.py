@@ -36,6 +36,12 @@ TRAINING_ALLOCATOR = "expandable"
 """The allocator setting of both arms' full runs (the protocol's); probes try others."""
 
 _NUMBERS = (int, float, int | None, float | None)
+INT_CEILING = 2**31 - 1
+"""The largest integer any setting takes: a larger one is a typo, and a count
+that large would hang the step that builds it rather than fail."""
+SCHEDULE_SLOTS_CEILING = 2**20
+"""The most document slots (train.updates x train.global_batch) a schedule may
+list; schedule.json holds each one (the full study has 32,768)."""
 PositiveInt = Field(gt=0)
 NonNegInt = Field(ge=0)
 
@@ -53,6 +59,13 @@ class _Section(BaseModel):
         # YAML reads `true` as a boolean, and lax validation would take it as 1.
         if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
             raise ValueError("expected a number, not a boolean")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_huge_integers(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_CEILING:
+            raise ValueError(f"at most {INT_CEILING:,} in size")
         return value
 
 
@@ -112,7 +125,10 @@ class DataConfig(_Section):
     schedule_seed: int = 11
 
     @model_validator(mode="after")
-    def _check_source(self) -> "DataConfig":
+    def _check(self) -> "DataConfig":
+        strays = sorted(set(self.family_options) - set(self.families))
+        if strays:
+            raise ValueError(f"family_options: {', '.join(strays)} is not among data.families ({', '.join(self.families)})")
         source = self.replay_source
         if source not in ("chitchat", "pydoc") and Path(source).suffix not in (".jsonl", ".parquet"):
             raise ValueError(f"replay_source: {source!r} is none of chitchat, pydoc or a path to a .jsonl or .parquet file")
@@ -251,6 +267,12 @@ class Config(_Section):
                     f"arms.{name}.microbatch: {arm.microbatch} is larger than the local batch "
                     f"({self.train.global_batch} / {arm.workers} workers = {local})"
                 )
+        slots = self.train.updates * self.train.global_batch
+        if slots > SCHEDULE_SLOTS_CEILING:
+            raise ValueError(
+                f"train.updates: {self.train.updates} updates of {self.train.global_batch} documents are {slots:,} "
+                f"schedule slots; at most {SCHEDULE_SLOTS_CEILING:,}"
+            )
         if self.train.warmup_updates > self.train.updates:
             raise ValueError(f"train.warmup_updates: {self.train.warmup_updates} exceeds train.updates={self.train.updates}")
         if self.data.retention_docs + self.data.replay_docs == 0:

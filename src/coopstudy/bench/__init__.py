@@ -72,6 +72,9 @@ from coopstudy.errors import UserError
 # torch and the model code, and `coopstudy --help` reads this one.
 HELP = "benchmarks: the packed update against the per-document reference; both arms' loops; batched generation"
 DESCRIPTION = __doc__
+MAX_ITEMS = 100_000
+"""The most cases `generate` times: each is generated twice (batched and alone),
+so a larger count is a typo, not a benchmark that ends."""
 
 
 def _described(name: str) -> str:
@@ -101,13 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " fewer give a quick look whose compressed phase is mostly its first, slowest updates)")  # fmt: skip
     a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
     g = bench("generate", "batched against one-at-a-time greedy generation on the seed model")
-    g.add_argument("--items", type=int, default=32, help="test cases to generate (default 32)")
+    g.add_argument("--items", type=int, default=32, help=f"test cases to generate (default 32, at most {MAX_ITEMS:,})")
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.bench == "generate":
-        if args.items < 1:
-            raise UserError("--items: at least 1")
+        if not 1 <= args.items <= MAX_ITEMS:
+            raise UserError(f"--items: from 1 to {MAX_ITEMS:,} (got {args.items:,})")
         from coopstudy.bench import generate
 
         return generate.measure(cfg, args.items)

@@ -454,12 +454,16 @@ def _rows(path: Path) -> list[tuple[str, Any]]:
 def _file_pool(path: Path) -> Pool:
     if path.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"data.replay_source: {str(path)!r} is none of {', '.join(NAMED_SOURCES)} or a .jsonl or .parquet file")
+    if path.is_dir():
+        raise UserError(f"data.replay_source: {path} is a folder, not a file")
     if not path.is_file():
         raise UserError(f"data.replay_source: {path} does not exist")
     try:
         rows = _rows(path)
     except UnicodeDecodeError:
         raise UserError(f"data.replay_source: {path} is not UTF-8 text") from None
+    except PermissionError as err:
+        raise UserError(f"data.replay_source: cannot read {path} ({err.strerror})") from None
     if not rows:
         raise UserError(f"data.replay_source: {path} holds no conversations")
     convs = []

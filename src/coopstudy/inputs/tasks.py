@@ -77,8 +77,9 @@ def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None
 
     try:
         return reasoning_gym.create_dataset(family, seed=seed, size=size, **dict(options or {}))
-    except (ValueError, KeyError, TypeError) as err:
-        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {err}") from None
+    except (ValueError, KeyError, TypeError, AssertionError) as err:
+        # reasoning-gym checks its options with `assert`, and the message names what is wrong.
+        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {err or type(err).__name__}") from None
 
 
 def _entry(raw: Mapping[str, Any]) -> dict[str, Any]:

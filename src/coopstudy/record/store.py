@@ -189,11 +189,37 @@ def tracking_uri() -> str:
     return uri
 
 
+SQLITE_HEADER = b"SQLite format 3\0"
+"""The first bytes of every SQLite database file."""
+
+
+def _check_sqlite(uri: str) -> None:
+    """Refuse a sqlite: URI whose path is a folder or a file that is no
+    database: MLflow would retry the first with backoff for minutes and let
+    SQLAlchemy's traceback out of the second."""
+    parts = urlsplit(uri)
+    if parts.scheme != "sqlite" or parts.path in ("", "/", "/:memory:"):
+        return
+    path = Path(parts.path[1:] if parts.path.startswith("/") else parts.path)
+    if path.is_dir():
+        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): {path} is a folder, not a database file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # MLflow creates it
+    except OSError as err:
+        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): cannot read {path} ({err.strerror})") from None
+    if head and head != SQLITE_HEADER:
+        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): {path} is not an SQLite database")
+
+
 def client():
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     uri = tracking_uri()
+    _check_sqlite(uri)
     try:
         return MlflowClient(tracking_uri=uri)
     except MlflowException as err:

@@ -30,6 +30,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -380,6 +381,33 @@ def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nod
         multi = arm == "compressed"
         found.update(local_devices(cfg.arm(arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
     return sorted(found)
+
+
+def check_hostfile(path: Path, needed: int) -> list[str]:
+    """The hosts of an MPI-style hostfile (`HOST slots=N` lines, # comments),
+    or a one-line refusal naming the line that is not one."""
+    if path.is_dir():
+        raise UserError(f"--hostfile {path}: a folder, not a file")
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        raise UserError(f"--hostfile {path}: no such file") from None
+    except OSError as err:
+        raise UserError(f"--hostfile {path}: cannot read it ({err.strerror})") from None
+    hosts = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)\s+slots=([1-9][0-9]*)", line)
+        if m is None:
+            raise UserError(f"--hostfile {path} line {n}: {raw.strip()!r} is not `HOST slots=N`")
+        if m.group(1) in hosts:
+            raise UserError(f"--hostfile {path} line {n}: host {m.group(1)} is listed twice")
+        hosts.append(m.group(1))
+    if len(hosts) < needed:
+        raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, one rank each")
+    return hosts
 
 
 def node_hostfile(nodes: int, per_node: int) -> Path:

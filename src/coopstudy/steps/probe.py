@@ -190,8 +190,8 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     candidates = _candidates(cfg)
-    if args.hostfile is not None and not args.hostfile.is_file():
-        raise UserError(f"--hostfile {args.hostfile}: no such file")
+    if args.hostfile is not None:
+        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     console = ui.console(140)
     arms = tuple(sorted({c.arm for c, _ in candidates}))
     devices = launch.devices_of(cfg, arms, args.hostfile)

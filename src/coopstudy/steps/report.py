@@ -129,14 +129,16 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     with writer.stage_run(schema.STAGE_REPORT, cfg) as rec:
         if out:
             # A folder that cannot be made is said before the record is read.
-            _make_folder(Path(out))
+            folder = Path(out)
+            _make_folder(folder)
         records = records_mod.load(cfg, plan)
         if records.plan:
             rec.set_tags({schema.TAG_PLAN: records.plan})
         screens = sc.compute(records.cases, records.retention, records.train, cfg.screens)
         report = rep.build(records, screens, cfg)
-        folder = Path(out) if out else workspace.home() / "reports" / records.key.folder
-        _make_folder(folder)
+        if not out:
+            folder = workspace.home() / "reports" / records.key.folder
+            _make_folder(folder)
         plots = rep.figures(records, report)
         markdown = rep.to_markdown(report)
         files = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -114,27 +113,6 @@ class Nodes:
     """On a node other than 0: the run node 0 opened."""
 
 
-def check_hostfile(path: Path, needed: int) -> list[str]:
-    """The hosts of an MPI-style hostfile (`HOST slots=N` lines, # comments),
-    or a one-line refusal naming the line that is not one."""
-    if not path.is_file():
-        raise UserError(f"--hostfile {path}: no such file")
-    hosts = []
-    for n, raw in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"(\S+)\s+slots=([1-9][0-9]*)", line)
-        if m is None:
-            raise UserError(f"--hostfile {path} line {n}: {raw.strip()!r} is not `HOST slots=N`")
-        if m.group(1) in hosts:
-            raise UserError(f"--hostfile {path} line {n}: host {m.group(1)} is listed twice")
-        hosts.append(m.group(1))
-    if len(hosts) < needed:
-        raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, one rank each")
-    return hosts
-
-
 def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     """The --nodes options, checked, or None for a job this host runs whole."""
     given = [f"--{n.replace('_', '-')}" for n in ("node_rank", "master_addr", "master_port", "run_id") if getattr(args, n, None) is not None]
@@ -160,7 +138,7 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     if args.node_rank > 0 and args.run_id is None:
         raise UserError(f"node {args.node_rank} joins the run node 0 opened: give its --run-id (node 0 prints the command)")
     if args.hostfile is not None:
-        check_hostfile(args.hostfile, count)
+        launch.check_hostfile(args.hostfile, count)
         hostfile = args.hostfile
     else:
         hostfile = launch.node_hostfile(count, workers // count)
@@ -223,7 +201,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     arms = ARMS if args.arm == "both" else (args.arm,)
     nodes = _nodes(cfg, args)
     if args.hostfile is not None and nodes is None:
-        check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
     holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset}"
     # A SIGTERM or SIGHUP anywhere in the stage ends it as Ctrl-C does: the
