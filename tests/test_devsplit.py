@@ -53,6 +53,19 @@ def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prep
     assert dev_questions and not set(dev_questions) & set(_questions(prepared_tiny.home / "prepared" / final_folder))
 
 
+def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_safe_rate():
+    seed = {"solved": 0.6, "moved": 0.2, "edge": 0.2, "still": 0.1}
+    by_lr = {
+        1e-4: {"accuracy": {"solved": 0.9, "moved": 0.25, "edge": 0.30, "still": 0.15}, "retention_bound": 0.01},
+        1e-3: {"accuracy": {"solved": 0.9, "moved": 0.31, "edge": 0.25, "still": 0.2}, "retention_bound": 0.04},
+        1e-2: {"accuracy": {"solved": 0.9, "moved": 0.9, "edge": 0.3, "still": 0.2}, "retention_bound": 0.05},
+    }
+    # "solved": the seed is past 50%; "edge" moves by 0.10 at best, not more; "still" by 0.10.
+    # 1e-2 moves "moved" most, but its retention bound is not under the threshold.
+    assert devsplit.choose(list(seed), seed, by_lr, threshold=0.05) == {"families": ["moved"], "lr": 1e-3}
+    assert devsplit.choose(list(seed), seed, by_lr, threshold=0.01) == {"families": ["moved"], "lr": None}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
