@@ -44,6 +44,7 @@ from urllib.request import url2pathname
 import mlflow
 import psutil
 import pytest
+import yaml
 from fixtures import ROOT, Store, checkout_copy, run_cli
 
 from coopstudy import cli, config, workspace
@@ -246,6 +247,12 @@ def _plan(store: Store, tmp: Path) -> Tampered:
     )
 
 
+def _plan_garbled(store: Store, tmp: Path) -> Tampered:
+    path = store.home / _entry(store, ledger.PLAN, plan.subject(config.load("tiny"))).details["file"]
+    path.write_bytes(b"\xff not a plan")
+    return Tampered((f"the plan file {path} was edited after it was committed",), "`python -m coopstudy plan")
+
+
 def _checkpoint_before_select(store: Store, tmp: Path) -> Tampered:
     (run,) = _runs(store, "attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED'")
     folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])
@@ -340,6 +347,7 @@ TAMPER = {
     "gate receipt (the verify run's artifact)": ("planned", TRAIN_CONTROL, _gate_receipt),
     "probe receipt (one byte)": ("planned", TRAIN_CONTROL, _probe_receipt),
     "plan file (a threshold lowered)": ("planned", TRAIN_CONTROL, _plan),
+    "plan file (bytes that are no JSON, nor UTF-8)": ("planned", TRAIN_CONTROL, _plan_garbled),
     "checkpoint before select (one byte)": ("trained", ("select", "--preset", "tiny"), _checkpoint_before_select),
     "checkpoint after select (one byte)": ("selected", ("evaluate", "--preset", "tiny"), _checkpoint_after_select),
     "candidate selection (rewritten, valid chain)": ("selected", ("evaluate", "--preset", "tiny"), _selection),
@@ -733,6 +741,15 @@ def _a_folder(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
+def _model_cut_short(tmp: Path) -> str:
+    """The tiny seed's folder with its weights file cut to 20 bytes, as a
+    failed download or a Git LFS pointer leaves it."""
+    (seed,) = (workspace.home() / "seeds").iterdir()
+    shutil.copytree(seed, tmp / "model")
+    (tmp / "model" / workspace.WEIGHTS_FILE).write_bytes(b"version https://git-")
+    return str(tmp / "model")
+
+
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
     "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
@@ -742,10 +759,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", str(10**20)),
         "--items: from 1 to 100,000 (got 100,000,000,000,000,000,000)",
     ),
-    "--set of a huge integer": (lambda tmp: ("prepare", "--preset", "tiny", "--set", f"train.updates={10**30}"), "train.updates: at most 2,147,483,647 in size"),
+    "--set of a huge integer": (lambda tmp: ("prepare", "--preset", "tiny", "--set", f"train.updates={10**30}"), "train.updates: at most 4,294,967,295 in size"),
     "a schedule too long to write": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.updates=1000000"),
-        "train.updates: 1000000 updates of 8 documents are 8,000,000 schedule slots; at most 1,048,576",
+        "train.updates: 1,000,000 updates of 8 documents are 8,000,000 schedule slots; at most 1,048,576",
     ),
     "a family option reasoning-gym refuses": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gcd: {min_value: -5}}"),
@@ -753,7 +770,19 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "options for a family not studied": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gdc: {min_value: 5}}"),
-        "data.family_options: gdc is not among data.families (gcd, ",
+        "data.family_options: gdc: not among data.families (gcd, ",
+    ),
+    "a family listed twice": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.families=[gcd, gcd]"), "data.families: gcd listed twice"),
+    # reasoning-gym would seed with the absolute value, into the training's range.
+    "a negative test seed": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.test_seed=-1011"), "data.test_seed: Input should be greater than or equal to 0"),
+    "an experiment name of spaces": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "experiment=' '"), "experiment: an empty name"),
+    "study --arm without --through train": (
+        lambda tmp: ("study", "--preset", "tiny", "--arm", "control"),
+        "--arm control picks the arms of `--through train`; with --through report both arms train",
+    ),
+    "pretrained weights cut short": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_cut_short(tmp)}"),
+        "/model/model.safetensors is not a safetensors file (a Git LFS pointer, or cut short?)",
     ),
     "replay source that is a folder": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", f"data.replay_source={_a_folder(tmp, 'chats.jsonl')}"),
@@ -777,6 +806,8 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         "data.families: reasoning-gym cannot make 'no_such_family'",
     ),
     "--set with no =": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.lr"), "override 'train.lr': expected key=value"),
+    "--set with an empty key part": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train..lr=1"), "override 'train..lr=1': expected key=value"),
+    "report --out ''": (lambda tmp: ("report", "--preset", "tiny", "--out", ""), "--out: an empty path"),
     "unknown preset": (lambda tmp: ("prepare", "--preset", "no-such-preset"), "unknown preset 'no-such-preset'"),
     "hostfile: a line that is no host": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", _hostfile(tmp, "host-a slots=1\nhost-b two\n")),
@@ -843,16 +874,47 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
         # MLflow would let SQLAlchemy's traceback out of the first, and retry the second for minutes.
         ("MLFLOW_TRACKING_URI", "sqlite:///{text}", "tracking URI 'sqlite:///{text}' (from MLFLOW_TRACKING_URI): {text} is not an SQLite database"),
         ("MLFLOW_TRACKING_URI", "sqlite:///{folder}", "{folder} is a folder, not a database file"),
+        ("MLFLOW_TRACKING_URI", "sqlite:///{file}/m.db", "cannot make {file}/m.db (a file is in its folder's path)"),
+        ("MLFLOW_TRACKING_URI", "https://[::1", "tracking URI 'https://[::1' (from MLFLOW_TRACKING_URI) is not a URI: Invalid IPv6 URL"),
+        # A leftover of `mlflow run` in the shell: MLflow would start a run, then fail with a traceback.
+        ("MLFLOW_RUN_ID", "garbage", "MLFLOW_RUN_ID=garbage: no such run in "),
+        ("COOPSTUDY_REMOTE_FILE", "{binary}", "tracking URI file {binary}: cannot read it (not UTF-8 text)"),
     ],
 )
 def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
-    paths = {"file": _a_file(tmp_path), "folder": tmp_path, "text": tmp_path / "notes.txt"}
+    paths = {"file": _a_file(tmp_path), "folder": tmp_path, "text": tmp_path / "notes.txt", "binary": tmp_path / "remote.txt"}
     paths["text"].write_text("not a database\n")
-    done = run_cli("prepare", "--preset", "tiny", env={variable: value.format(**paths)}, timeout=60)
+    paths["binary"].write_bytes(b"http://tracking\xff\n")
+    env = {variable: value.format(**paths)}
+    if variable == "COOPSTUDY_REMOTE_FILE":
+        env["MLFLOW_TRACKING_URI"] = ""  # the user's URI would be taken first
+    done = run_cli("prepare", "--preset", "tiny", env=env, timeout=60)
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("coopstudy prepare: error: ") and said.format(**paths) in line, line
     assert paths["text"].read_text() == "not a database\n"
+
+
+def test_a_deleted_experiment_is_one_line_and_exit_2():
+    client = mlflow.MlflowClient()
+    client.delete_experiment(client.create_experiment("retired"))
+    done = run_cli("plan", "--preset", "tiny", "--set", "experiment=retired")
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("coopstudy plan: error: experiment 'retired' is deleted in ") and "mlflow experiments restore" in line, line
+
+
+@pytest.mark.parametrize("name", ["123", "null", "runs # 2"])
+def test_an_experiment_named_in_the_environment_is_taken_as_written(name, tmp_path):
+    """MLFLOW_EXPERIMENT_NAME is a name, not YAML: `123` is no number, `# 2` no comment."""
+    done = run_cli("plan", "--preset", "tiny", env={"MLFLOW_EXPERIMENT_NAME": name})
+    assert done.returncode == 2 and "no inputs commitment" in done.stderr, done.stderr[-3000:]
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(name)
+    assert exp is not None, [e.name for e in client.search_experiments()]
+    (run,) = client.search_runs([exp.experiment_id])
+    # Params are logged as overrides are written (YAML), so `123` the name is '123'.
+    assert yaml.safe_load(run.data.params["experiment"]) == name and run.info.status == "FAILED"
 
 
 @pytest.fixture

@@ -176,6 +176,19 @@ def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_lock_file_of_bytes_no_job_wrote_is_taken(capsys):
+    """Not UTF-8, not JSON: no holder to name or stop, and the device is free."""
+    import socket
+
+    from coopstudy import workspace
+
+    (workspace.subdir("locks") / f"{socket.gethostname()}-garbled.lock").write_bytes(b"garbage\xff")
+    with lock.device_lock(["garbled"], "the next job"):
+        pass
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith("coopstudy: device garbled on ") and said.endswith("taking the device"), said
+
+
 def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_process():
     import pytest
 

@@ -55,6 +55,13 @@ def test_garbage_refused(ledger):
         ledger.entries()
 
 
+def test_bytes_that_are_not_utf8_are_a_line_refused(ledger):
+    with open(ledger.path, "ab") as fh:
+        fh.write(b"\xff\xfe\n")
+    with pytest.raises(LedgerError, match="line 4 is not a ledger entry"):
+        ledger.entries()
+
+
 def test_require_says_how_to_fix(tmp_path):
     from coopstudy.errors import RefusedError
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import os
 import re
 import sys
@@ -70,7 +71,8 @@ def _with_experiment(overrides: list[str]) -> list[str]:
     from coopstudy.record import store
 
     named = store.chosen_experiment()
-    return [*overrides, f"experiment={named}"] if named else overrides
+    # As a JSON string: YAML would read `123`, `null` or `a # b` as something else.
+    return [*overrides, f"experiment={json.dumps(named)}"] if named else overrides
 
 
 def _split_overrides(item: str) -> list[str]:

@@ -36,9 +36,10 @@ TRAINING_ALLOCATOR = "expandable"
 """The allocator setting of both arms' full runs (the protocol's); probes try others."""
 
 _NUMBERS = (int, float, int | None, float | None)
-INT_CEILING = 2**31 - 1
-"""The largest integer any setting takes: a larger one is a typo, and a count
-that large would hang the step that builds it rather than fail."""
+INT_CEILING = 2**32 - 1
+"""The largest integer a setting of a section takes (numpy's largest seed): a
+larger one is a typo, and a count that large would hang the step that builds
+it rather than fail."""
 SCHEDULE_SLOTS_CEILING = 2**20
 """The most document slots (train.updates x train.global_batch) a schedule may
 list; schedule.json holds each one (the full study has 32,768)."""
@@ -104,10 +105,11 @@ class DataConfig(_Section):
     families: tuple[str, ...] = Field(min_length=1)
     """reasoning-gym dataset names; equal counts per family."""
     tasks_per_family: int = PositiveInt
-    generation_seed: int = 1_000
+    generation_seed: int = Field(1_000, ge=0)
     test_per_family: int = PositiveInt
-    test_seed: int = 9_000_000
-    """Far from generation_seed: reasoning-gym seeds item i with seed + i."""
+    test_seed: int = Field(9_000_000, ge=0)
+    """Far from generation_seed: reasoning-gym seeds item i with seed + i (and
+    a negative seed as its absolute value, so the ranges' check would not hold)."""
     family_options: dict[str, dict[str, Any]] = {}
     """reasoning-gym config overrides per family; the family's default config otherwise."""
     replay_docs: int = NonNegInt
@@ -126,9 +128,12 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
+        twice = sorted({f for f in self.families if self.families.count(f) > 1})
+        if twice:
+            raise ValueError(f"families: {', '.join(twice)} listed twice")
         strays = sorted(set(self.family_options) - set(self.families))
         if strays:
-            raise ValueError(f"family_options: {', '.join(strays)} is not among data.families ({', '.join(self.families)})")
+            raise ValueError(f"family_options: {', '.join(strays)}: not among data.families ({', '.join(self.families)})")
         source = self.replay_source
         if source not in ("chitchat", "pydoc") and Path(source).suffix not in (".jsonl", ".parquet"):
             raise ValueError(f"replay_source: {source!r} is none of chitchat, pydoc or a path to a .jsonl or .parquet file")
@@ -252,6 +257,17 @@ class Config(_Section):
     budget: BudgetConfig = BudgetConfig()
     screens: ScreensConfig = ScreensConfig()
 
+    @field_validator("preset", "experiment")
+    @classmethod
+    def _a_name(cls, value: str) -> str:
+        # MLflow strips an experiment's name: with spaces at its ends, a step
+        # would record into another experiment than the one named.
+        if not value.strip():
+            raise ValueError("an empty name")
+        if value != value.strip():
+            raise ValueError("a name with spaces at its ends")
+        return value
+
     @model_validator(mode="after")
     def _check_arms(self) -> "Config":
         for name in ARMS:
@@ -270,7 +286,7 @@ class Config(_Section):
         slots = self.train.updates * self.train.global_batch
         if slots > SCHEDULE_SLOTS_CEILING:
             raise ValueError(
-                f"train.updates: {self.train.updates} updates of {self.train.global_batch} documents are {slots:,} "
+                f"train.updates: {self.train.updates:,} updates of {self.train.global_batch} documents are {slots:,} "
                 f"schedule slots; at most {SCHEDULE_SLOTS_CEILING:,}"
             )
         if self.train.warmup_updates > self.train.updates:
@@ -294,7 +310,7 @@ def preset_names() -> list[str]:
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
+    if not sep or not all(part.strip() for part in key.split(".")):
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-4")
     # YAML parsing gives numbers, booleans, null and [lists] the same spelling
     # as in a preset file.

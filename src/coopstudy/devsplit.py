@@ -7,8 +7,8 @@ The development split is the final test of another seed: the preset's data
 with data.families = --families and data.test_seed = --dev-seed, built as
 `prepare` builds it (inputs.data.build: the same training documents,
 schedule, replay and retention probes, questions seen in training dropped;
-tasks.check_seed_ranges refuses a seed whose range meets the training's).
-Nothing of the final test is read. The seed is scored on it
+tasks.check_development_seed refuses a seed whose range meets the preset's
+training or final test). Nothing of the final test is read. The seed is scored on it
 (scoring.score_model: every family's accuracy, the retention NLL), then, for
 each learning rate, one control-arm training from the seed (one process,
 numerics.update.worker_update over the preset's schedule, train.updates
@@ -37,7 +37,7 @@ from typing import Any
 from coopstudy import scoring, ui
 from coopstudy.config import Config
 from coopstudy.errors import UserError
-from coopstudy.inputs import data
+from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 
@@ -71,6 +71,8 @@ def _dev_config(cfg: Config, families: list[str] | None, dev_seed: int) -> Confi
     raw["data"]["test_seed"] = dev_seed
     if families:
         raw["data"]["families"] = families
+        # Options of a family not tried have nothing to apply to.
+        raw["data"]["family_options"] = {f: o for f, o in raw["data"]["family_options"].items() if f in families}
     return config.from_dict(raw)
 
 
@@ -91,11 +93,12 @@ def _train(cfg: Config, prepared: data.Prepared, seed_path, lr: float, updates: 
     scheduler = update.build_scheduler(optimizer, train.warmup_updates)
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
     with ui.progress(f"train lr {lr:g}", updates, unit="update", each=True) as advance:
-        for row in prepared.schedule[:updates]:
+        for k, row in enumerate(prepared.schedule[:updates], start=1):
             result = update.worker_update(
                 net, optimizer, scheduler, prepared.train, row, ctx,
                 microbatch=cfg.arms.control.microbatch, precision=precision, grad_clip=train.grad_clip,
             )  # fmt: skip
+            update.require_finite(result, k)
             advance(loss=f"{result.loss:.4f}")
     return lm.float().eval()
 
@@ -137,7 +140,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     lrs = args.lrs or [cfg.train.lr * f for f in (0.5, 1.0, 2.0, 4.0)]
     if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
         raise UserError("--lrs: each learning rate must be a positive number")
+    if args.dev_seed < 0:
+        raise UserError(f"--dev-seed: {args.dev_seed} is negative (reasoning-gym would take its absolute value)")
     dev = _dev_config(cfg, args.families, args.dev_seed)
+    tasks.check_development_seed(cfg.data, dev.data.families, args.dev_seed)
     updates = args.updates if args.updates is not None else dev.train.updates
     if not 1 <= updates <= dev.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")

@@ -95,7 +95,8 @@ class Ledger:
             return []
         out: list[Entry] = []
         prev = GENESIS
-        for n, line in enumerate(self.path.read_text().splitlines(), start=1):
+        # Bytes that are not UTF-8 spoil only their line, which the check below refuses.
+        for n, line in enumerate(self.path.read_text(errors="replace").splitlines(), start=1):
             try:
                 raw = json.loads(line)
                 body = {k: raw[k] for k in ("seq", "time", "kind", "subject", "digest", "details", "prev")}

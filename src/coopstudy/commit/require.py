@@ -82,8 +82,11 @@ def committed_plan(cfg: Config) -> str:
     stored = workspace.home() / entry.details["file"]
     if not stored.is_file():
         raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan`")
-    old = json.loads(stored.read_text())
-    if planning.digest(old) != entry.digest:
+    try:
+        old = json.loads(stored.read_text())
+    except ValueError:  # not JSON, or not UTF-8: edited all the same
+        old = None
+    if not isinstance(old, dict) or planning.digest(old) != entry.digest:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
         raise RefusedError(
             f"the plan file {stored} was edited after it was committed; write it again: "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import shutil
 import struct
@@ -74,18 +75,15 @@ def weights_digest(path: Path) -> tuple[str, int]:
 
 def _safetensors_numel(path: Path) -> int:
     # The header alone says every tensor's shape: no need to load 7 GB to count.
-    with open(path, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size))
-    total = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        n = 1
-        for dim in info["shape"]:
-            n *= dim
-        total += n
-    return total
+    try:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if size > path.stat().st_size:
+                raise ValueError("a header longer than the file")
+            header = json.loads(fh.read(size))
+        return sum(math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__")
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"seed model: {path} is not a safetensors file (a Git LFS pointer, or cut short?)") from None
 
 
 def gguf_path(model: ModelConfig) -> Path:

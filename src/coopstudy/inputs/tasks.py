@@ -13,9 +13,12 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coopstudy.errors import UserError
+
+if TYPE_CHECKING:
+    from coopstudy.config import DataConfig
 
 FAMILY_STRIDE = 1_000_000
 """Seed distance between consecutive families of one split."""
@@ -56,20 +59,38 @@ def family_seed(base: int, position: int) -> int:
     return base + position * FAMILY_STRIDE
 
 
+def _ranges(families: Sequence[str], seed: int, n: int, what: str) -> list[tuple[int, int, str]]:
+    return [(family_seed(seed, pos), n, f"{what} {fam}") for pos, fam in enumerate(families)]
+
+
+def _refuse_overlap(ranges: list[tuple[int, int, str]], key: str, hint: str) -> None:
+    ranges = sorted(ranges)
+    for (a, n, what_a), (b, _, what_b) in zip(ranges, ranges[1:]):
+        if a + n > b:
+            raise UserError(f"{key}: the seed ranges of {what_a} ({a}..{a + n - 1}) and {what_b} (from {b}) overlap; {hint}")
+
+
 def check_seed_ranges(families: Sequence[str], train_seed: int, train_n: int, test_seed: int, test_n: int) -> None:
     """Refuse seeds whose ranges overlap: an overlap repeats items between
     families or between training and test."""
-    ranges = []
-    for pos, fam in enumerate(families):
-        ranges.append((family_seed(train_seed, pos), train_n, f"training {fam}"))
-        ranges.append((family_seed(test_seed, pos), final_budget(test_n), f"test {fam}"))
-    ranges.sort()
-    for (a, n, what_a), (b, _, what_b) in zip(ranges, ranges[1:]):
-        if a + n > b:
-            raise UserError(
-                f"data.test_seed: the seed ranges of {what_a} ({a}..{a + n - 1}) and {what_b} (from {b}) overlap; "
-                f"keep data.generation_seed and data.test_seed at least {len(families) * FAMILY_STRIDE} apart"
-            )
+    _refuse_overlap(
+        _ranges(families, train_seed, train_n, "training") + _ranges(families, test_seed, final_budget(test_n), "test"),
+        "data.test_seed",
+        f"keep data.generation_seed and data.test_seed at least {len(families) * FAMILY_STRIDE} apart",
+    )
+
+
+def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_seed: int) -> None:
+    """Refuse a development split (`dev-split`: the final test of `dev_seed`
+    over `families`) whose seed ranges meet the preset's training or final
+    test: it would score, or choose by, the study's own questions."""
+    _refuse_overlap(
+        _ranges(cfg_data.families, cfg_data.generation_seed, cfg_data.tasks_per_family, "training")
+        + _ranges(cfg_data.families, cfg_data.test_seed, final_budget(cfg_data.test_per_family), "the final test's")
+        + _ranges(families, dev_seed, final_budget(cfg_data.test_per_family), "the development split's"),
+        "--dev-seed",
+        f"choose a seed whose ranges ({FAMILY_STRIDE:,} apart, one per family) meet neither",
+    )
 
 
 def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None):
@@ -79,7 +100,7 @@ def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None
         return reasoning_gym.create_dataset(family, seed=seed, size=size, **dict(options or {}))
     except (ValueError, KeyError, TypeError, AssertionError) as err:
         # reasoning-gym checks its options with `assert`, and the message names what is wrong.
-        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {err or type(err).__name__}") from None
+        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {str(err) or type(err).__name__}") from None
 
 
 def _entry(raw: Mapping[str, Any]) -> dict[str, Any]:

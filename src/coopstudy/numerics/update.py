@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from coopstudy.config import TrainConfig
+from coopstudy.errors import UserError
 from coopstudy.numerics import batching, distributed, objective
 from coopstudy.numerics.batching import DocumentLike, Microbatch
 from coopstudy.numerics.distributed import ByteCounter, DistContext, UpdateBytes
@@ -104,6 +105,13 @@ class UpdateResult:
     """Real tokens this worker computed."""
     computed_tokens: int = 0
     """Positions this worker's forwards computed (packed: equal to local_tokens)."""
+
+
+def require_finite(result: UpdateResult, k: int) -> None:
+    """Stop at the first update whose loss is not finite: the weights are lost
+    from there on, and every later number of the run would be NaN."""
+    if not math.isfinite(result.loss):
+        raise UserError(f"training diverged at update {k} (loss {result.loss}, learning rate {result.lr:.3g}); a lower learning rate may not")
 
 
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig, *, implementation: str = FUSED) -> torch.optim.AdamW:

@@ -14,6 +14,7 @@ records in the same store.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -103,6 +104,8 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
 def remote_file() -> Path:
     """The file that names the tracking server: COOPSTUDY_REMOTE_FILE, else the project's."""
     named = os.environ.get(ENV_REMOTE_FILE)
+    if named and Path(named).is_dir():
+        raise UserError(f"{ENV_REMOTE_FILE}={named}: a folder, not a file")
     if named and not Path(named).is_file():
         raise UserError(f"{ENV_REMOTE_FILE}={named}: no such file")
     return Path(named) if named else workspace.project_root() / REMOTE_FILE
@@ -112,7 +115,12 @@ def _uri_from_file(path: Path | None = None) -> str | None:
     path = path or remote_file()
     if not path.is_file():
         return None
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        why = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else err.strerror
+        raise UserError(f"tracking URI file {path}: cannot read it ({why})") from None
+    for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             return line
@@ -178,7 +186,10 @@ def tracking_uri() -> str:
     _ORIGIN.setdefault(uri, "MLFLOW_TRACKING_URI" if users else str(remote_file()) if named else "the local default")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     if uri:
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+        except ValueError as err:
+            raise UserError(f"tracking URI {uri!r} (from {origin(uri)}) is not a URI: {err}") from None
         if parts.username or parts.password:
             raise UserError(
                 "tracking URI carries credentials; remove them and set MLFLOW_TRACKING_USERNAME "
@@ -194,24 +205,38 @@ SQLITE_HEADER = b"SQLite format 3\0"
 
 
 def _check_sqlite(uri: str) -> None:
-    """Refuse a sqlite: URI whose path is a folder or a file that is no
-    database: MLflow would retry the first with backoff for minutes and let
-    SQLAlchemy's traceback out of the second."""
-    parts = urlsplit(uri)
-    if parts.scheme != "sqlite" or parts.path in ("", "/", "/:memory:"):
+    """Refuse a sqlite: URI whose path is a folder, a file that is no
+    database, or a file that cannot be made: MLflow would retry the first and
+    the last with backoff for minutes and let SQLAlchemy's traceback out of
+    the second."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(uri)
+    except ArgumentError:
+        return  # not a database URI; client() says what is wrong with it
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return
-    path = Path(parts.path[1:] if parts.path.startswith("/") else parts.path)
+    path, said = Path(url.database), f"tracking URI {uri!r} (from {origin(uri)})"
     if path.is_dir():
-        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): {path} is a folder, not a database file")
+        raise UserError(f"{said}: {path} is a folder, not a database file")
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()  # MLflow makes its tables in the empty file
+        except FileExistsError:  # from mkdir: a file where a folder must be
+            raise UserError(f"{said}: cannot make {path} (a file is in its folder's path)") from None
+        except OSError as err:
+            raise UserError(f"{said}: cannot make {path} ({err.strerror})") from None
+        return
     try:
         with path.open("rb") as f:
             head = f.read(len(SQLITE_HEADER))
-    except FileNotFoundError:
-        return  # MLflow creates it
     except OSError as err:
-        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): cannot read {path} ({err.strerror})") from None
+        raise UserError(f"{said}: cannot read {path} ({err.strerror})") from None
     if head and head != SQLITE_HEADER:
-        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}): {path} is not an SQLite database")
+        raise UserError(f"{said}: {path} is not an SQLite database")
 
 
 def client():
@@ -243,9 +268,37 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
             raise UserError(f"experiment {name!r} could not be created in {tracking_uri()}")
+    if exp.lifecycle_stage == "deleted":
+        raise UserError(
+            f"experiment {name!r} is deleted in {tracking_uri()}; restore it "
+            f"(`mlflow experiments restore --experiment-id {exp.experiment_id}`) or name another with --set experiment=NAME"
+        )
     if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
         mlflow_client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
+
+
+@functools.cache
+def check_launcher() -> None:
+    """Refuse an MLFLOW_RUN_ID or MLFLOW_EXPERIMENT_ID that names nothing in
+    its store: a leftover in the user's shell, not `mlflow run` starting this
+    step (MLflow would raise its own traceback, and leave a run behind)."""
+    if LAUNCHER is None:
+        return
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = LAUNCHER.tracking_uri or tracking_uri()
+    mlflow_client = MlflowClient(tracking_uri=uri)
+    hint = "`mlflow run` sets it for the command it starts; unset it to run a step by hand"
+    try:
+        mlflow_client.get_run(LAUNCHER.run_id)
+    except MlflowException:
+        raise UserError(f"MLFLOW_RUN_ID={LAUNCHER.run_id}: no such run in {uri}; {hint}") from None
+    try:
+        mlflow_client.get_experiment(LAUNCHER.experiment_id)
+    except MlflowException:
+        raise UserError(f"MLFLOW_EXPERIMENT_ID={LAUNCHER.experiment_id}: no such experiment in {uri}; {hint}") from None
 
 
 def chosen_experiment() -> str | None:
@@ -255,6 +308,7 @@ def chosen_experiment() -> str | None:
     named = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     if named:
         return named
+    check_launcher()
     if LAUNCHER is None or LAUNCHER.experiment_id in ("", "0"):
         return None
     from mlflow import MlflowClient

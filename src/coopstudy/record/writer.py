@@ -180,6 +180,8 @@ def stage_run(
     parent = mlflow.active_run()
     exp_id = parent.info.experiment_id if parent is not None else store.experiment_id(exp_name)
     launched, _launcher = (_launcher if parent is None else None), (None if parent is None else _launcher)
+    if launched is not None:
+        store.check_launcher()
     adopt = launched is not None and launched.tracking_uri == uri and launched.experiment_id == exp_id
     # start_run(run_id=...) leaves MLFLOW_RUN_ID set, and every later
     # start_run() would resume the project run instead of opening a child.

@@ -38,7 +38,10 @@ STALE_STOP_GRACE_S = 10.0
 
 def _info(fh: IO[str]) -> dict[str, Any] | None:
     fh.seek(0)
-    text = fh.read()
+    try:
+        text = fh.read()
+    except UnicodeDecodeError:
+        return {}  # not what a job wrote: a holder unknown, as for any other garbage
     if not text.strip():
         return None
     try:

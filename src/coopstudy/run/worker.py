@@ -158,6 +158,7 @@ def train(
                         microbatch=shape.microbatch, precision=precision, grad_clip=cfg.train.grad_clip, counter=counter,
                         work=work,
                     )  # fmt: skip
+                    update.require_finite(result, k)
                     # The update ends by reading the loss off the device (after the
                     # optimizer step in stream order), so the clock stops when the
                     # device has finished the update, not when its kernels were queued.

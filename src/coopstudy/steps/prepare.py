@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from coopstudy import ui, workspace
+from coopstudy import scoring, ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
 from coopstudy.inputs import data
@@ -44,10 +44,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         rec.log_params({schema.PARAM_SEED_PARAMETERS: seed.parameters})
         print(f"seed model ({cfg.model.source}): {seed.path}\n  {seed.parameters:,} parameters, weights sha256 {seed.sha256}", flush=True)
 
-        from transformers import AutoTokenizer
-
         built_at = time.perf_counter()
-        built = data.build(cfg, AutoTokenizer.from_pretrained(seed.path), seed, ui.track, pool)
+        built = data.build(cfg, scoring.load_tokenizer(seed.path, "seed model"), seed, ui.track, pool)
         folder, status = data.write_prepared(built)
         build_seconds = time.perf_counter() - built_at
         digest = built.digest

@@ -190,10 +190,10 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     candidates = _candidates(cfg)
-    if args.hostfile is not None:
+    arms = tuple(sorted({c.arm for c, _ in candidates}))
+    if args.hostfile is not None and "compressed" in arms:
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     console = ui.console(140)
-    arms = tuple(sorted({c.arm for c, _ in candidates}))
     devices = launch.devices_of(cfg, arms, args.hostfile)
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:
         # Probes are training jobs: none shares a device with another.

@@ -39,7 +39,7 @@ verdicts as tags and the screens as metrics; prints the screens."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha (default: this config's runs)")
-    parser.add_argument("--out", metavar="DIR", type=Path, help="folder for the report files (default: <home>/reports/<study>/)")
+    parser.add_argument("--out", metavar="DIR", help="folder for the report files (default: <home>/reports/<study>/)")
 
 
 def _make_analysis_importable() -> None:
@@ -125,6 +125,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
     plan = getattr(args, "plan", None)
     out = getattr(args, "out", None)
+    if out is not None and not out.strip():
+        raise UserError("--out: an empty path; name a folder (or leave --out out for the default)")
     # The run opens first so that a refusal stays on record as a FAILED report run.
     with writer.stage_run(schema.STAGE_REPORT, cfg) as rec:
         if out:
