@@ -123,6 +123,40 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36])
 
 
+def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
+    """A process killed while it wrote its last waiting record: the records
+    before it still land, the broken line is kept aside and said, nothing stops."""
+    from fixtures import run_cli
+
+    client = store.client()
+    run_id = client.create_run(store.experiment_id()).info.run_id
+    batch = {"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}
+    path = outbox.outbox_dir() / f"{run_id}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(batch) + '\n{"op": "batch", "metr')
+    done = run_cli("remote", "deliver", run_id)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"line 2 of {path} is not a record" in done.stderr and "delivered 1 waiting records" in done.stderr, done.stderr
+    assert client.get_run(run_id).data.metrics == {schema.M_LOSS: 2.5}
+    assert not path.exists() and '"metr' in path.with_suffix(".rejected").read_text()
+
+
+@pytest.mark.parametrize("text", ["", "garbage\n", '{"op": "batch"}\n'])
+def test_an_outbox_that_names_no_server_is_one_line(text):
+    path = outbox.outbox_dir() / "0123.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    from fixtures import run_cli
+
+    done = run_cli("remote", "deliver", "0123")
+    if not text:  # nothing waits in it
+        assert done.returncode == 0 and not path.exists(), done.stderr[-3000:]
+        return
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line == f"coopstudy remote: error: outbox {path}: no record in it names its server; give --tracking-uri"
+
+
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):
     """Two prepares log the same files at once: MLflow looks for the experiment's
     dataset row, then inserts it, so both may miss it and the second insert is

@@ -353,13 +353,35 @@ class Outbox:
                 flush=True,
             )
 
+    def _read(self, fh: IO[str]) -> list[dict[str, Any]]:
+        """The waiting records; a line that is none (a process killed while
+        writing it) is put aside with the refused ones, not a stop for the rest."""
+        fh.seek(0)
+        records, broken = [], []
+        for n, line in enumerate(fh.read().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("op"), str):
+                records.append(record)
+            else:
+                broken.append(n)
+                with open(self.path.with_suffix(".rejected"), "a") as aside:
+                    aside.write(json.dumps({"line": n, "text": line, "error": "not a record"}) + "\n")
+        if broken:
+            print(f"coopstudy: line {', '.join(map(str, broken))} of {self.path} is not a record (a process killed while writing it?); "
+                  f"kept in {self.path.with_suffix('.rejected')}", file=sys.stderr, flush=True)  # fmt: skip
+        return records
+
     def deliver(self) -> bool:
         """Send every waiting record in order; True when none is left."""
         if not self.path.exists():
             return True
         with self._locked() as fh:
-            fh.seek(0)
-            records = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+            records = self._read(fh)
             for sent, record in enumerate(records):
                 try:
                     apply(self.client, self.run_id, record)
@@ -408,8 +430,7 @@ class Outbox:
             return True
         Outbox._reported.add(self.path)
         with self._locked() as fh:
-            fh.seek(0)
-            records = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+            records = self._read(fh)
         print(
             f"coopstudy: run {self.run_id} is INCOMPLETE on {self.uri}: the server did not come back; "
             f"{len(records)} records ({describe(records)}) are kept in {self.path} on {socket.gethostname()}. "
@@ -426,19 +447,35 @@ class Outbox:
 def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
     written for, or to `uri`; run id -> whether nothing is left."""
-    from mlflow import MlflowClient
-
     paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
     done: dict[str, bool] = {}
     for path in paths:
         if not path.is_file():
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
-        first = json.loads(path.read_text().splitlines()[0])
-        target = uri or first["uri"]
+        target = uri or _written_for(path)
+        if target is None:
+            path.unlink()  # no record in it: nothing waits
+            done[path.stem] = True
+            continue
         # This command says itself whether the server answered.
         Outbox._warned.add(path)
-        done[path.stem] = Outbox(path.stem, target, MlflowClient(tracking_uri=target)).deliver()
+        where = "--tracking-uri" if uri else f"the records in {path}"
+        done[path.stem] = Outbox(path.stem, target, store.client(target, where)).deliver()
     return done
+
+
+def _written_for(path: Path) -> str | None:
+    """The server the first record of an outbox was written for (None: no record)."""
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("uri"), str):
+            return record["uri"]
+    if any(line.strip() for line in path.read_text(errors="replace").splitlines()):
+        raise UserError(f"outbox {path}: no record in it names its server; give --tracking-uri")
+    return None
 
 
 HELP = "the tracking server: check that it answers, deliver records kept during an outage"

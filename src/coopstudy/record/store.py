@@ -204,7 +204,7 @@ SQLITE_HEADER = b"SQLite format 3\0"
 """The first bytes of every SQLite database file."""
 
 
-def _check_sqlite(uri: str) -> None:
+def _check_sqlite(uri: str, where: str) -> None:
     """Refuse a sqlite: URI whose path is a folder, a file that is no
     database, or a file that cannot be made: MLflow would retry the first and
     the last with backoff for minutes and let SQLAlchemy's traceback out of
@@ -218,7 +218,7 @@ def _check_sqlite(uri: str) -> None:
         return  # not a database URI; client() says what is wrong with it
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return
-    path, said = Path(url.database), f"tracking URI {uri!r} (from {origin(uri)})"
+    path, said = Path(url.database), f"tracking URI {uri!r} (from {where})"
     if path.is_dir():
         raise UserError(f"{said}: {path} is a folder, not a database file")
     if not path.exists():
@@ -239,12 +239,15 @@ def _check_sqlite(uri: str) -> None:
         raise UserError(f"{said}: {path} is not an SQLite database")
 
 
-def client():
+def client(uri: str | None = None, where: str | None = None):
+    """A client of the study's store, or of `uri` (named by `where`, in
+    words), refusing in one line a URI it cannot open."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    uri = tracking_uri()
-    _check_sqlite(uri)
+    uri = uri or tracking_uri()
+    where = where or origin(uri)
+    _check_sqlite(uri, where)
     try:
         return MlflowClient(tracking_uri=uri)
     except MlflowException as err:
@@ -252,7 +255,7 @@ def client():
         # the schemes it knows, which is the useful part of it.
         known = re.search(r"Supported URI schemes are: \[[^]]*\]", err.message)
         why = known.group(0) if known else " ".join(err.message.split())
-        raise UserError(f"tracking URI {uri!r} (from {origin(uri)}) cannot be opened. {why}") from None
+        raise UserError(f"tracking URI {uri!r} (from {where}) cannot be opened. {why}") from None
 
 
 def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
