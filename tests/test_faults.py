@@ -808,6 +808,12 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "--set with no =": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.lr"), "override 'train.lr': expected key=value"),
     "--set with an empty key part": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train..lr=1"), "override 'train..lr=1': expected key=value"),
     "report --out ''": (lambda tmp: ("report", "--preset", "tiny", "--out", ""), "--out: an empty path"),
+    # The hint names the preset as it was given: a file outside configs/ by its path.
+    "plan before prepare, a preset file": (
+        lambda tmp: ("plan", "--preset", _preset(tmp, lambda t: t)),
+        "/preset.yaml` with the same settings first",
+    ),
+    "preset that is a folder": (lambda tmp: ("prepare", "--preset", str(_a_folder(tmp, "presets"))), "a preset is a name from configs/ or a path to a .yaml file"),
     "unknown preset": (lambda tmp: ("prepare", "--preset", "no-such-preset"), "unknown preset 'no-such-preset'"),
     "hostfile: a line that is no host": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", _hostfile(tmp, "host-a slots=1\nhost-b two\n")),

@@ -295,6 +295,12 @@ class Config(_Section):
             raise ValueError("data.retention_docs: there must be conversation documents")
         return self
 
+    @property
+    def preset_argument(self) -> str:
+        """What `--preset` takes to load this preset again: its name, or the
+        path of a preset file outside the project's configs/."""
+        return _PRESET_FILES.get(self.preset, self.preset)
+
     def arm(self, name: str) -> ArmConfig:
         """The shape of arm `name` (one of ARMS)."""
         return getattr(self.arms, name)
@@ -302,6 +308,11 @@ class Config(_Section):
     @property
     def train_documents(self) -> int:
         return len(self.data.families) * self.data.tasks_per_family + self.data.replay_docs
+
+
+_PRESET_FILES: dict[str, str] = {}
+"""Preset name -> the file this process loaded it from, for presets outside
+the project's configs/ (Config.preset_argument)."""
 
 
 def preset_names() -> list[str]:
@@ -360,8 +371,12 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The preset's config with overrides applied, validated."""
     path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.is_dir():
+        raise ConfigError(f"preset {path}: a folder, not a file")
     if path.suffix in (".yaml", ".yml") and not path.is_file():
         raise ConfigError(f"preset {path}: no such file")
+    if path.suffix not in (".yaml", ".yml") and ("/" in preset or path.exists()):
+        raise ConfigError(f"preset {preset}: a preset is a name from configs/ or a path to a .yaml file")
     if path.suffix not in (".yaml", ".yml"):
         path = workspace.project_root() / PRESET_DIR / f"{preset}.yaml"
     if not path.is_file():
@@ -383,6 +398,8 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"preset {path}: expected a mapping of sections, got a {type(raw).__name__}")
     raw.setdefault("preset", path.stem)
+    if path.resolve().parent != (workspace.project_root() / PRESET_DIR).resolve():
+        _PRESET_FILES[path.stem] = str(path)
     return from_dict(apply_overrides(raw, list(overrides)))
 
 

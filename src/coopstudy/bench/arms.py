@@ -120,7 +120,7 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
         results: dict[str, dict] = {}
         devices = launch.devices_of(cfg, arms, None)
         with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-arms-{cfg.preset}") as parent:
-            with lock.device_lock(devices, f"coopstudy bench arms --preset {cfg.preset}") as held:
+            with lock.device_lock(devices, f"coopstudy bench arms --preset {cfg.preset_argument}") as held:
                 for arm in arms:
                     _, results[arm] = _run_arm(cfg, arm, updates, held, console)
             after = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}

@@ -197,7 +197,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     devices = launch.devices_of(cfg, arms, args.hostfile)
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:
         # Probes are training jobs: none shares a device with another.
-        with lock.device_lock(devices, f"coopstudy probe --preset {cfg.preset}"):
+        with lock.device_lock(devices, f"coopstudy probe --preset {cfg.preset_argument}"):
             req = require.training_inputs(cfg)
             parent.set_tags(req)
             context = _context(cfg, req)
@@ -213,5 +213,5 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(_choice_table(choice, cfg))
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
-        console.print(f"next: `python -m coopstudy plan --preset {cfg.preset}` records the choice in the plan", highlight=False)
+        console.print(f"next: `python -m coopstudy plan --preset {cfg.preset_argument}` records the choice in the plan", highlight=False)
     return 0

@@ -203,7 +203,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.hostfile is not None and nodes is None:
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
-    holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset}"
+    holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset_argument}"
     # A SIGTERM or SIGHUP anywhere in the stage ends it as Ctrl-C does: the
     # launched processes stopped, the lock released, the run KILLED with the reason.
     with launch.stopping():
