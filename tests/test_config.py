@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from coopstudy import config, machine
+from coopstudy import config, machine, workspace
 from coopstudy.errors import ConfigError
 
 
@@ -118,6 +118,15 @@ def test_a_preset_path_that_does_not_exist_is_no_such_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         config.load(str(tmp_path / "mine.yaml"))
     assert str(err.value) == f"preset {tmp_path / 'mine.yaml'}: no such file"
+
+
+def test_a_preset_file_is_named_again_by_its_path(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((workspace.project_root() / "configs" / "tiny.yaml").read_text() + "preset: exp1\n")
+    cfg = config.load(str(mine))
+    # The hints' `--preset` must load it again: the file, whatever name it gives itself.
+    assert (cfg.preset, cfg.preset_argument) == ("exp1", str(mine))
+    assert config.load("tiny").preset_argument == "tiny"
 
 
 def test_overrides_in_one_word_may_hold_values_with_spaces(cli):

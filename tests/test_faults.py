@@ -778,7 +778,7 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "an experiment name of spaces": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "experiment=' '"), "experiment: an empty name"),
     "study --arm without --through train": (
         lambda tmp: ("study", "--preset", "tiny", "--arm", "control"),
-        "--arm control picks the arms of `--through train`; with --through report both arms train",
+        "--arm control: it applies only with --through train (got --through report)",
     ),
     "pretrained weights cut short": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_cut_short(tmp)}"),

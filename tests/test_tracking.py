@@ -134,10 +134,13 @@ def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
     path = outbox.outbox_dir() / f"{run_id}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(batch) + '\n{"op": "batch", "metr')
+    # A record kept after the cut (the stage's, once its rank died) starts a line of its own.
+    later = {"op": "batch", "metrics": [[schema.M_GRAD_NORM, 0.5, 0, 1]]}
+    outbox.Outbox(run_id, store.tracking_uri(), client)._keep(later)
     done = run_cli("remote", "deliver", run_id)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"line 2 of {path} is not a record" in done.stderr and "delivered 1 waiting records" in done.stderr, done.stderr
-    assert client.get_run(run_id).data.metrics == {schema.M_LOSS: 2.5}
+    assert f"line 2 of {path} is not a record" in done.stderr and "delivered 2 waiting records" in done.stderr, done.stderr
+    assert client.get_run(run_id).data.metrics == {schema.M_LOSS: 2.5, schema.M_GRAD_NORM: 0.5}
     assert not path.exists() and '"metr' in path.with_suffix(".rejected").read_text()
 
 

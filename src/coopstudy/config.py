@@ -37,8 +37,8 @@ TRAINING_ALLOCATOR = "expandable"
 
 _NUMBERS = (int, float, int | None, float | None)
 INT_CEILING = 2**32 - 1
-"""The largest integer a setting of a section takes (numpy's largest seed): a
-larger one is a typo, and a count that large would hang the step that builds
+"""The largest integer a setting of a section takes (an unsigned 32-bit
+seed's largest): a larger one is a typo, and a count that large would hang the step that builds
 it rather than fail."""
 SCHEDULE_SLOTS_CEILING = 2**20
 """The most document slots (train.updates x train.global_batch) a schedule may
@@ -375,7 +375,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         raise ConfigError(f"preset {path}: a folder, not a file")
     if path.suffix in (".yaml", ".yml") and not path.is_file():
         raise ConfigError(f"preset {path}: no such file")
-    if path.suffix not in (".yaml", ".yml") and ("/" in preset or path.exists()):
+    if path.suffix not in (".yaml", ".yml") and "/" in preset:
         raise ConfigError(f"preset {preset}: a preset is a name from configs/ or a path to a .yaml file")
     if path.suffix not in (".yaml", ".yml"):
         path = workspace.project_root() / PRESET_DIR / f"{preset}.yaml"
@@ -398,9 +398,10 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"preset {path}: expected a mapping of sections, got a {type(raw).__name__}")
     raw.setdefault("preset", path.stem)
+    cfg = from_dict(apply_overrides(raw, list(overrides)))
     if path.resolve().parent != (workspace.project_root() / PRESET_DIR).resolve():
-        _PRESET_FILES[path.stem] = str(path)
-    return from_dict(apply_overrides(raw, list(overrides)))
+        _PRESET_FILES[cfg.preset] = str(path)
+    return cfg
 
 
 def flatten(config: Config) -> dict[str, str]:

@@ -163,7 +163,7 @@ def _step_args(cfg: Config, step: Step) -> argparse.Namespace:
 def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.arm != "both" and args.through != "train":
         # Every later step needs both arms trained; running both quietly would not be what was asked.
-        raise UserError(f"--arm {args.arm} picks the arms of `--through train`; with --through {args.through} both arms train")
+        raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
     steps = selected_steps(args.through, args.arm)
     keys: dict[str, str] = {}
     t0 = time.perf_counter()

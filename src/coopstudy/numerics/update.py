@@ -111,7 +111,7 @@ def require_finite(result: UpdateResult, k: int) -> None:
     """Stop at the first update whose loss is not finite: the weights are lost
     from there on, and every later number of the run would be NaN."""
     if not math.isfinite(result.loss):
-        raise UserError(f"training diverged at update {k} (loss {result.loss}, learning rate {result.lr:.3g}); a lower learning rate may not")
+        raise UserError(f"training diverged at update {k} (loss {result.loss}, learning rate {result.lr:.3g}); try a lower learning rate")
 
 
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig, *, implementation: str = FUSED) -> torch.optim.AdamW:

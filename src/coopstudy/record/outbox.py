@@ -318,7 +318,7 @@ class Outbox:
         # keeps the file whole; a file emptied and removed meanwhile is opened again.
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fh = open(self.path, "a+")
+            fh = open(self.path, "a+", errors="replace")
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 same = os.fstat(fh.fileno()).st_ino == os.stat(self.path).st_ino
@@ -334,6 +334,10 @@ class Outbox:
 
     def _keep(self, record: dict[str, Any]) -> None:
         with self._locked() as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size and os.pread(fh.fileno(), 1, size - 1) != b"\n":
+                # A process killed mid-line left it open: this record must not join it.
+                fh.write("\n")
             fh.write(json.dumps(record | {"run_id": self.run_id, "uri": self.uri}) + "\n")
             fh.flush()
         if not self._exit_hook:
@@ -453,9 +457,8 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
         if not path.is_file():
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
         target = uri or _written_for(path)
-        if target is None:
-            path.unlink()  # no record in it: nothing waits
-            done[path.stem] = True
+        if target is None:  # no record in it: removed under the lock, as any delivered outbox
+            done[path.stem] = Outbox(path.stem, "", None).deliver()
             continue
         # This command says itself whether the server answered.
         Outbox._warned.add(path)
@@ -466,14 +469,15 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
 
 def _written_for(path: Path) -> str | None:
     """The server the first record of an outbox was written for (None: no record)."""
-    for line in path.read_text(errors="replace").splitlines():
+    lines = path.read_text(errors="replace").splitlines()
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
         if isinstance(record, dict) and isinstance(record.get("uri"), str):
             return record["uri"]
-    if any(line.strip() for line in path.read_text(errors="replace").splitlines()):
+    if any(line.strip() for line in lines):
         raise UserError(f"outbox {path}: no record in it names its server; give --tracking-uri")
     return None
 

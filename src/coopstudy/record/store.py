@@ -212,10 +212,12 @@ def _check_sqlite(uri: str, where: str) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    if not uri.startswith("sqlite:"):
+        return
     try:
         url = make_url(uri)
-    except ArgumentError:
-        return  # not a database URI; client() says what is wrong with it
+    except (ArgumentError, ValueError):
+        return  # client() says what is wrong with it
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return
     path, said = Path(url.database), f"tracking URI {uri!r} (from {where})"
@@ -292,16 +294,21 @@ def check_launcher() -> None:
     from mlflow.exceptions import MlflowException
 
     uri = LAUNCHER.tracking_uri or tracking_uri()
-    mlflow_client = MlflowClient(tracking_uri=uri)
+    if is_http(uri):
+        use_http_defaults()
+    mlflow_client = client(uri, "MLFLOW_TRACKING_URI")
     hint = "`mlflow run` sets it for the command it starts; unset it to run a step by hand"
-    try:
-        mlflow_client.get_run(LAUNCHER.run_id)
-    except MlflowException:
-        raise UserError(f"MLFLOW_RUN_ID={LAUNCHER.run_id}: no such run in {uri}; {hint}") from None
-    try:
-        mlflow_client.get_experiment(LAUNCHER.experiment_id)
-    except MlflowException:
-        raise UserError(f"MLFLOW_EXPERIMENT_ID={LAUNCHER.experiment_id}: no such experiment in {uri}; {hint}") from None
+    named = (
+        ("MLFLOW_RUN_ID", LAUNCHER.run_id, "run", mlflow_client.get_run),
+        ("MLFLOW_EXPERIMENT_ID", LAUNCHER.experiment_id, "experiment", mlflow_client.get_experiment),
+    )
+    for variable, value, what, get in named:
+        try:
+            get(value)
+        except MlflowException as err:
+            # Only an answer that it is not there: an outage is the preflight's to say.
+            if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise UserError(f"{variable}={value}: no such {what} in {uri}; {hint}") from None
 
 
 def chosen_experiment() -> str | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from coopstudy import scoring, ui, workspace
+from coopstudy import ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
+from coopstudy.errors import UserError
 from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
@@ -44,8 +45,15 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         rec.log_params({schema.PARAM_SEED_PARAMETERS: seed.parameters})
         print(f"seed model ({cfg.model.source}): {seed.path}\n  {seed.parameters:,} parameters, weights sha256 {seed.sha256}", flush=True)
 
+        from transformers import AutoTokenizer
+
         built_at = time.perf_counter()
-        built = data.build(cfg, scoring.load_tokenizer(seed.path, "seed model"), seed, ui.track, pool)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(seed.path)
+        except Exception as err:  # noqa: BLE001 - any failure means the same: no usable tokenizer there
+            # Not scoring.load_tokenizer: prepare's sources (its step key) stay free of the evaluation's.
+            raise UserError(f"seed model: the tokenizer in {seed.path} cannot be loaded ({type(err).__name__})") from None
+        built = data.build(cfg, tokenizer, seed, ui.track, pool)
         folder, status = data.write_prepared(built)
         build_seconds = time.perf_counter() - built_at
         digest = built.digest
