@@ -911,7 +911,7 @@ def test_a_deleted_experiment_is_one_line_and_exit_2():
 
 
 @pytest.mark.parametrize("name", ["123", "null", "runs # 2"])
-def test_an_experiment_named_in_the_environment_is_taken_as_written(name, tmp_path):
+def test_an_experiment_named_in_the_environment_is_taken_as_written(name):
     """MLFLOW_EXPERIMENT_NAME is a name, not YAML: `123` is no number, `# 2` no comment."""
     done = run_cli("plan", "--preset", "tiny", env={"MLFLOW_EXPERIMENT_NAME": name})
     assert done.returncode == 2 and "no inputs commitment" in done.stderr, done.stderr[-3000:]

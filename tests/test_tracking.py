@@ -7,6 +7,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from fixtures import run_cli
 
 from coopstudy import config, workspace
 from coopstudy.errors import UserError
@@ -126,8 +127,6 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
 def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
     """A process killed while it wrote its last waiting record: the records
     before it still land, the broken line is kept aside and said, nothing stops."""
-    from fixtures import run_cli
-
     client = store.client()
     run_id = client.create_run(store.experiment_id()).info.run_id
     batch = {"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}
@@ -149,8 +148,6 @@ def test_an_outbox_that_names_no_server_is_one_line(text):
     path = outbox.outbox_dir() / "0123.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    from fixtures import run_cli
-
     done = run_cli("remote", "deliver", "0123")
     if not text:  # nothing waits in it
         assert done.returncode == 0 and not path.exists(), done.stderr[-3000:]

@@ -295,6 +295,8 @@ class Outbox:
     def __init__(self, run_id: str, uri: str, client: Any):
         self.run_id, self.uri, self.client = run_id, uri, client
         self.path = outbox_dir() / f"{run_id}.jsonl"
+        # Kept aside: records the server refused, and lines that are no record.
+        self.rejected = self.path.with_suffix(".rejected")
         self._retry_at = 0.0
         self._interval = RETRY_FIRST_S
         self._exit_hook = False
@@ -372,12 +374,12 @@ class Outbox:
             if isinstance(record, dict) and isinstance(record.get("op"), str):
                 records.append(record)
             else:
-                broken.append(n)
-                with open(self.path.with_suffix(".rejected"), "a") as aside:
-                    aside.write(json.dumps({"line": n, "text": line, "error": "not a record"}) + "\n")
+                broken.append({"line": n, "text": line, "error": "not a record"})
         if broken:
-            print(f"coopstudy: line {', '.join(map(str, broken))} of {self.path} is not a record (a process killed while writing it?); "
-                  f"kept in {self.path.with_suffix('.rejected')}", file=sys.stderr, flush=True)  # fmt: skip
+            with open(self.rejected, "a") as aside:
+                aside.writelines(json.dumps(b) + "\n" for b in broken)
+            print(f"coopstudy: line {', '.join(str(b['line']) for b in broken)} of {self.path} is not a record (a process killed while writing it?); "
+                  f"kept in {self.rejected}", file=sys.stderr, flush=True)  # fmt: skip
         return records
 
     def deliver(self) -> bool:
@@ -408,11 +410,10 @@ class Outbox:
     def _reject(self, record: dict[str, Any], err: BaseException) -> None:
         # The server answered and refused it: sending it again would be refused again,
         # and holding it would block every record behind it. It is kept aside, said once.
-        rejected = self.path.with_suffix(".rejected")
-        with open(rejected, "a") as fh:
+        with open(self.rejected, "a") as fh:
             fh.write(json.dumps(record | {"error": str(err)[:2000]}) + "\n")
         print(f"coopstudy: the server refused a waiting record of run {self.run_id} ({describe([record])}): "
-              f"{(str(err).splitlines() or [''])[0][:300]}; kept in {rejected}", file=sys.stderr, flush=True)
+              f"{(str(err).splitlines() or [''])[0][:300]}; kept in {self.rejected}", file=sys.stderr, flush=True)
 
     def settle(self, grace_s: float | None = None) -> bool:
         """At the run's end: deliver, retrying for up to `grace_s`; True when nothing waits."""

@@ -290,7 +290,6 @@ def check_launcher() -> None:
     step (MLflow would raise its own traceback, and leave a run behind)."""
     if LAUNCHER is None:
         return
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     uri = LAUNCHER.tracking_uri or tracking_uri()
