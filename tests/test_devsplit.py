@@ -71,7 +71,9 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
     [
         (("--lrs", "0"), "--lrs: each learning rate must be a positive number"),
         (("--updates", "99"), "--updates: between 1 and train.updates (6), not 99"),
-        (("--families", "no_such_family", "--updates", "1"), "data.families: reasoning-gym cannot make 'no_such_family'"),
+        # Refused by the flag's name before the seed is loaded.
+        (("--families", "gcd", "gcdd"), "--families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
+        (("--families", "gcd", "gcd"), "--families: gcd listed twice"),
         # The split must be neither the final test nor training: its seed ranges meet neither.
         (("--dev-seed", "9000000"), "--dev-seed: the seed ranges of the development split's gcd (9000000..9000107) and the final test's gcd"),
         (("--lrs", "1e30", "--updates", "3"), "training diverged at update 3 (loss nan, learning rate 1e+30)"),

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from coopstudy import config, workspace
 from coopstudy.commit.ledger import Ledger, LedgerError
 
 
@@ -129,12 +130,19 @@ def _rechained(path, edit) -> None:
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in raws))
 
 
-def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_record_disagrees_with():
+@pytest.mark.parametrize("outside", [False, True], ids=["preset", "preset file"])
+def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_record_disagrees_with(tmp_path, outside):
+    preset, again = "tiny", "tiny"
+    if outside:
+        # A preset file outside configs/ is named again by its path: its name alone cannot load.
+        mine = tmp_path / "mine.yaml"
+        mine.write_text((workspace.project_root() / "configs" / "tiny.yaml").read_text() + "preset: exp1\n")
+        preset, again = config.load(str(mine)).preset, str(mine)
     book = Ledger()
     _mirrored("inputs", "i" * 64)
     _mirrored("plan", "p" * 64)
-    book.append("inputs", "key", "i" * 64, {"preset": "tiny"})
-    book.append("plan", "config", "p" * 64, {"preset": "tiny"})
+    book.append("inputs", "key", "i" * 64, {"preset": preset})
+    book.append("plan", "config", "p" * 64, {"preset": preset})
     assert book.require("plan", "config", hint="-").digest == "p" * 64
 
     def forge(raws):
@@ -148,7 +156,7 @@ def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_reco
     line = str(refused.value)
     assert "\n" not in line
     assert f"line 1 (inputs key, {'f' * 12}) disagrees with the record: no run of the record committed {'f' * 12}" in line
-    assert "commit again: `python -m coopstudy prepare --preset tiny`" in line
+    assert f"commit again: `python -m coopstudy prepare --preset {again}`" in line
 
 
 def test_only_the_commitments_in_force_are_compared():

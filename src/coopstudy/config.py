@@ -299,7 +299,7 @@ class Config(_Section):
     def preset_argument(self) -> str:
         """What `--preset` takes to load this preset again: its name, or the
         path of a preset file outside the project's configs/."""
-        return _PRESET_FILES.get(self.preset, self.preset)
+        return preset_argument(self.preset)
 
     def arm(self, name: str) -> ArmConfig:
         """The shape of arm `name` (one of ARMS)."""
@@ -313,6 +313,11 @@ class Config(_Section):
 _PRESET_FILES: dict[str, str] = {}
 """Preset name -> the file this process loaded it from, for presets outside
 the project's configs/ (Config.preset_argument)."""
+
+
+def preset_argument(name: str) -> str:
+    """What `--preset` takes to load preset `name` again (Config.preset_argument)."""
+    return _PRESET_FILES.get(name, name)
 
 
 def preset_names() -> list[str]:

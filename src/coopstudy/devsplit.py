@@ -142,6 +142,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         raise UserError("--lrs: each learning rate must be a positive number")
     if args.dev_seed < 0:
         raise UserError(f"--dev-seed: {args.dev_seed} is negative (reasoning-gym would take its absolute value)")
+    if args.families:
+        tasks.check_families(args.families, "--families")
     dev = _dev_config(cfg, args.families, args.dev_seed)
     tasks.check_development_seed(cfg.data, dev.data.families, args.dev_seed)
     updates = args.updates if args.updates is not None else dev.train.updates

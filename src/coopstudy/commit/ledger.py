@@ -214,8 +214,10 @@ def _recommit(entry: Entry) -> str:
     restore = "the ledger was rewritten or comes from another record: restore it from a copy"
     if entry.kind == CANDIDATE:
         return f"{restore} (a selection is made once)"
+    from coopstudy.config import preset_argument
+
     preset = entry.details.get("preset")
-    return f"{restore}, or commit again: `{_RECOMMIT[entry.kind]}{f' --preset {preset}' if preset else ''}`"
+    return f"{restore}, or commit again: `{_RECOMMIT[entry.kind]}{f' --preset {preset_argument(preset)}' if preset else ''}`"
 
 
 class _Record:

@@ -93,6 +93,22 @@ def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_se
     )
 
 
+def check_families(families: Sequence[str], key: str) -> None:
+    """Refuse a family reasoning-gym does not know, or one named twice, before
+    any work starts: otherwise it surfaces only when the tasks are generated."""
+    import difflib
+
+    from reasoning_gym.factory import DATASETS
+
+    for pos, family in enumerate(families):
+        if family in families[:pos]:
+            raise UserError(f"{key}: {family} listed twice")
+        if family not in DATASETS:
+            near = difflib.get_close_matches(family, DATASETS, n=3)
+            hint = f"did you mean {' or '.join(near)}?" if near else f"it knows {len(DATASETS)}, e.g. {', '.join(sorted(DATASETS)[:3])}"
+            raise UserError(f"{key}: reasoning-gym has no family {family!r}; {hint}")
+
+
 def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None):
     import reasoning_gym
 
