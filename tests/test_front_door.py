@@ -138,3 +138,19 @@ def test_two_projects_sharing_one_environment_keep_their_own_study_files(project
     for p in (project, other):
         ledger = (p.root / ".coopstudy" / "ledger.jsonl").read_text().splitlines()
         assert len(ledger) == 1 and (p.root / "mlflow.db").is_file()
+
+
+def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(project, tmp_path):
+    db = tmp_path / "store" / "m.db"
+    started_in = project.root / "scripts"
+    env = project.env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny"], cwd=started_in, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("coopstudy")
+    # MLflow's default is ./mlruns of the working folder, which would scatter one store's checkpoints.
+    assert exp.artifact_location == str(db.parent / store.ARTIFACTS_BESIDE_DATABASE / exp.experiment_id)
+    (run,) = _runs(client, "coopstudy")
+    assert (db.parent / store.ARTIFACTS_BESIDE_DATABASE / exp.experiment_id / run.info.run_id / "artifacts" / schema.ART_CONFIG).is_file()
+    assert not (started_in / "mlruns").exists() and not (project.root / "mlruns").exists()

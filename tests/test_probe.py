@@ -10,6 +10,7 @@ fixtures.py) is also what test_plan.py and test_train.py start from.
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 
 import mlflow
@@ -123,6 +124,9 @@ def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes
         assert receipt["memory_by_rank"]["0"]["peak_rss_mb"] > 64
     assert "out_of_memory" in done.stdout and "none" in done.stdout
     assert parent.info.status == "FINISHED" and parent.data.metrics[schema.M_PROBE_FAILED] == 2
+    # The next step it names is of the same config: the overrides go with it, quoted for a shell.
+    (hint,) = [line for line in done.stdout.splitlines() if line.startswith("next: `")]
+    assert shlex.split(hint.split("`")[1]) == ["python", "-m", "coopstudy", "plan", "--preset", "tiny", *overrides[:2], "--set", overrides[2]]
     # The plan will not pretend: the preset's setting failed its probe.
     refused = run_cli("plan", "--preset", "tiny", *overrides)
     assert refused.returncode == 2

@@ -241,10 +241,16 @@ def test_the_record_is_native_in_mlflow(first, copy):
     # Three logged models, each with its evaluation metrics on the final test.
     models = client.search_logged_models(experiment_ids=[exp.experiment_id])
     assert sorted(m.name for m in models) == ["compressed", "control", "seed"]
+    evaluations = [r for r in copy.runs("evaluate") if schema.TAG_MODEL in r.data.tags]
+    scored_by = {r.info.run_id: r for r in evaluations}
     for m in models:
         linked = {x.key: x for x in m.metrics}
         assert schema.M_ACCURACY in linked and linked[schema.M_ACCURACY].dataset_name == "test.jsonl"
-    evaluations = [r for r in copy.runs("evaluate") if schema.TAG_MODEL in r.data.tags]
+        # What the README's schema says a logged model carries.
+        run = scored_by[m.source_run_id]
+        assert (m.model_type, m.tags[schema.TAG_MODEL], run.data.tags[schema.TAG_MODEL]) == (schema.MODEL_TYPE_CHECKPOINT, m.name, m.name)
+        assert m.params[schema.MODEL_PARAM_WEIGHTS_SHA] == run.data.tags[schema.TAG_CHECKPOINT_SHA]
+        assert Path(m.params[schema.MODEL_PARAM_WEIGHTS]).is_dir()
     assert all({i.dataset.name for i in r.inputs.dataset_inputs} == {"test.jsonl", "retention.jsonl"} for r in evaluations)
 
 
@@ -266,7 +272,7 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
 
     client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("coopstudy").experiment_id
-    parent = next(r for r in copy.runs("study") if r.info.run_name == "train-both-tiny")
+    parent = next(r for r in copy.runs("study") if r.info.run_name == "study-train-both-tiny")
     arms = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train") if schema.TAG_ARM in r.data.tags}
     server = Server(tmp_path, backend=copy.env["MLFLOW_TRACKING_URI"])
     server.start()
@@ -283,7 +289,7 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
             # The experiment as the README links it: on its training runs, not the traces overview.
             page.goto(f"{server.uri}/#/experiments/{exp}?workflowType=machine_learning")
             page.wait_for_url(f"**/experiments/{exp}/runs?**")
-            link("train-both-tiny").wait_for()
+            link("study-train-both-tiny").wait_for()
             assert "overview" not in page.url
             page.screenshot(path=str(SCREENSHOTS / "experiment.png"))
             # The study's parent holds its steps.

@@ -105,7 +105,7 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     monkeypatch.setattr(outbox, "apply", lambda client, run_id, record: (sent.append(record), deliver(client, run_id, record)))
     with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
         rec.log_table([{"case_id": "a", "score": 1.0}, {"case_id": "b", "score": 0.5}], schema.ART_TEST_TABLE)
-        rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={"weights_sha256": "cd" * 32}, tags={})
+        rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={schema.MODEL_PARAM_WEIGHTS_SHA: "cd" * 32}, tags={})
         rec.log_inputs({"test.jsonl": ("ab" * 32, "/x/test.jsonl")}, context="evaluation")
         # Delivered again (an outbox replayed after an outage): nothing doubles.
         client = mlflow.MlflowClient()
@@ -119,7 +119,7 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": schema.ART_TEST_TABLE, "type": "table"}]
     assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["test.jsonl"]
     (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
-    assert model.name == "control" and model.params["weights_sha256"] == "cd" * 32
+    assert model.name == "control" and model.params[schema.MODEL_PARAM_WEIGHTS_SHA] == "cd" * 32
     (metric,) = model.metrics
     assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36])
 

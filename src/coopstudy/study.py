@@ -167,7 +167,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     steps = selected_steps(args.through, args.arm)
     keys: dict[str, str] = {}
     t0 = time.perf_counter()
-    name = f"train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
+    # Not train-<arm>-<preset>: that is the name of the arm run it starts.
+    name = f"study-train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
     with writer.stage_run(schema.STAGE_STUDY, cfg, run_name=name) as rec:
         for step in steps:
             key = step_key(step, cfg, keys)

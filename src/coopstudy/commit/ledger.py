@@ -52,7 +52,7 @@ _RECOMMIT = {
     PLAN: "python -m coopstudy plan",
 }
 _RESTORE = (
-    "restore the ledger from a copy (every commitment is also a coopstudy.commitment.* tag on its run), "
+    "restore the ledger from a copy (every commitment is also tagged on its run: coopstudy.commitment.*, coopstudy.candidate.*), "
     "or move it aside and commit again from `python -m coopstudy prepare` on"
 )
 

@@ -64,7 +64,7 @@ STAGE_EVALUATE = "evaluate"
 STAGE_REPORT = "report"
 """The report run: screens as metrics, verdicts as tags, the report files as artifacts."""
 STAGE_STUDY = "study"
-"""The run of the `study` command (study-<preset>; train-<arm>-<preset>
+"""The run of the `study` command (study-<preset>; study-train-<arm>-<preset>
 with --through train), parent of the step runs it starts."""
 STAGE_BENCH = "bench"
 """The bench-objective-<preset> run of `python -m coopstudy bench objective`."""
@@ -348,7 +348,14 @@ ART_WORKER_ERROR_PREFIX = "worker_errors/rank"
 TAG_CANDIDATE_PREFIX = "coopstudy.candidate."
 """+ arm, on the select run and the evaluate parent: the sha256 of that arm's selected final weights."""
 TAG_MODEL = "coopstudy.model"
-"""On an evaluate child run: the model it scored, seed, control or compressed."""
+"""On an evaluate child run, and on the logged model it logs: the model it scored, seed, control or compressed."""
+MODEL_TYPE_CHECKPOINT = "checkpoint"
+"""The type of the logged model (the *Models* tab) each evaluate child run logs, named seed, control or compressed:
+its params are the MODEL_PARAM_* below, its tag `coopstudy.model`, its metrics the run's `eval/*`, linked to the final test."""
+MODEL_PARAM_WEIGHTS = "weights"
+"""On a logged model: the folder of the weights it scored."""
+MODEL_PARAM_WEIGHTS_SHA = "weights_sha256"
+"""On a logged model: the sha256 of those weights (`coopstudy.checkpoint_sha256` on its run)."""
 M_ACCURACY = "eval/accuracy"
 """On an evaluate child run: the fraction (0 to 1) of final-test cases whose verifier scored 1.0."""
 M_ACCURACY_PREFIX = "eval/accuracy/"
@@ -400,6 +407,8 @@ _KINDS = (
     ("ART_", "artifact"),
     ("STAGE_", "stage value"),
     ("OUTCOME_", "outcome value"),
+    ("MODEL_PARAM_", "logged-model param"),
+    ("MODEL_", "logged-model type"),
 )
 """Constant prefix -> the kind the README shows. A constant with any other
 prefix is refused: give its kind a prefix here first."""

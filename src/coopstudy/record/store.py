@@ -204,23 +204,36 @@ SQLITE_HEADER = b"SQLite format 3\0"
 """The first bytes of every SQLite database file."""
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a sqlite: URI; None for any other store."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    if not uri.startswith("sqlite:"):
+        return None
+    try:
+        url = make_url(uri)
+    except (ArgumentError, ValueError):
+        return None  # client() says what is wrong with it
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database)
+
+
+ARTIFACTS_BESIDE_DATABASE = "mlruns"
+"""The folder, beside a SQLite store's file, that holds the artifacts of the
+experiments coopstudy creates in it (one subfolder per experiment id)."""
+
+
 def _check_sqlite(uri: str, where: str) -> None:
     """Refuse a sqlite: URI whose path is a folder, a file that is no
     database, or a file that cannot be made: MLflow would retry the first and
     the last with backoff for minutes and let SQLAlchemy's traceback out of
     the second."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    if not uri.startswith("sqlite:"):
+    path = _sqlite_file(uri)
+    if path is None:
         return
-    try:
-        url = make_url(uri)
-    except (ArgumentError, ValueError):
-        return  # client() says what is wrong with it
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
-        return
-    path, said = Path(url.database), f"tracking URI {uri!r} (from {where})"
+    said = f"tracking URI {uri!r} (from {where})"
     if path.is_dir():
         raise UserError(f"{said}: {path} is a folder, not a database file")
     if not path.exists():
@@ -267,7 +280,7 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is None:
         try:
-            mlflow_client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            _create_experiment(mlflow_client, name)
         except Exception:  # noqa: BLE001 - another process created it first; looked up again below
             pass
         exp = mlflow_client.get_experiment_by_name(name)
@@ -281,6 +294,23 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
     if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
         mlflow_client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
+
+
+def _create_experiment(mlflow_client, name: str) -> None:
+    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+    database = _sqlite_file(tracking_uri())
+    if database is None:  # a server, or another database: its own artifact root decides
+        mlflow_client.create_experiment(name, tags=tags)
+        return
+    # MLflow's default for a local database is ./mlruns of whatever folder the
+    # command started in: one store's checkpoints would scatter over working
+    # folders, and stores started in one folder would share one. A store made
+    # with an artifact root keeps MLflow's own layout (<root>/<experiment id>).
+    from mlflow.entities import ExperimentTag
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    root = database.resolve().parent / ARTIFACTS_BESIDE_DATABASE
+    SqlAlchemyStore(tracking_uri(), str(root)).create_experiment(name, tags=[ExperimentTag(k, v) for k, v in tags.items()])
 
 
 @functools.cache

@@ -109,7 +109,7 @@ class Recorder:
         now = int(time.time() * 1000)
         self._outbox.send(
             {
-                "op": "model", "name": name, "model_type": "checkpoint",
+                "op": "model", "name": name, "model_type": schema.MODEL_TYPE_CHECKPOINT,
                 "params": {k: str(v) for k, v in params.items()}, "tags": {k: str(v) for k, v in tags.items()},
                 "metrics": [[k, float(v), now, 0] for k, v in metrics.items()],
                 "dataset": [dataset[0], dataset_digest(dataset[1])],

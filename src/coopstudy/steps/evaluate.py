@@ -79,7 +79,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 # The Models view compares the three on the final test.
                 child.log_model(
                     name, scored.metrics, (data.TEST, files[data.TEST]["sha256"]),
-                    params={"weights_sha256": sha, "weights": str(path)}, tags={schema.TAG_MODEL: name},
+                    params={schema.MODEL_PARAM_WEIGHTS_SHA: sha, schema.MODEL_PARAM_WEIGHTS: str(path)}, tags={schema.TAG_MODEL: name},
                 )
                 child.log_table(scored.cases, schema.ART_TEST_TABLE)
                 child.log_table(scored.retention, schema.ART_RETENTION_TABLE)

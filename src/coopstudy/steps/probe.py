@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -213,5 +214,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(_choice_table(choice, cfg))
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
-        console.print(f"next: `python -m coopstudy plan --preset {cfg.preset_argument}` records the choice in the plan", highlight=False)
+        # The plan is of this config: without the same overrides it would be another's.
+        again = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
+        console.print(f"next: `python -m coopstudy plan --preset {cfg.preset_argument}{again}` records the choice in the plan", highlight=False, soft_wrap=True)
     return 0
