@@ -150,14 +150,16 @@ def selected_steps(through: str, arm: str) -> list[Step]:
     return [s for s in chosen if arm == "both" or not s.name.startswith("train-") or s.name == f"train-{arm}"]
 
 
-def _step_args(cfg: Config, step: Step) -> argparse.Namespace:
-    """The arguments the step would get from `coopstudy STEP --preset P ARGV`,
-    from the step's own declaration of them."""
+def _step_args(step: Step, study: argparse.Namespace) -> argparse.Namespace:
+    """The arguments the step would get from `coopstudy STEP --preset P --set
+    OVERRIDES ARGV`, from the step's own declaration of them."""
     module = MODULES[step.stage]
     parser = argparse.ArgumentParser(prog=f"coopstudy {step.stage}")
     if hasattr(module, "add_arguments"):
         module.add_arguments(parser)
-    return parser.parse_args(list(step.argv))
+    args = parser.parse_args(list(step.argv))
+    args.preset, args.overrides = study.preset, list(study.overrides)
+    return args
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
@@ -179,7 +181,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 continue
             print(f"study: {step.name}: running", flush=True)
             with writer.tags_for_next_run({schema.TAG_STEP_KEY: key}):
-                MODULES[step.stage].run(cfg, _step_args(cfg, step))
+                MODULES[step.stage].run(cfg, _step_args(step, args))
         rec.log_metrics({schema.M_STUDY_SECONDS: time.perf_counter() - t0})
         rec.log_dict(keys, schema.ART_STEP_KEYS)
     return 0

@@ -215,6 +215,6 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
         # The plan is of this config: without the same overrides it would be another's.
-        again = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
+        again = "".join(f" --set {shlex.quote(o)}" for o in args.overrides if o.strip())
         console.print(f"next: `python -m coopstudy plan --preset {cfg.preset_argument}{again}` records the choice in the plan", highlight=False, soft_wrap=True)
     return 0
