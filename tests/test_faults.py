@@ -483,7 +483,14 @@ def _select_refuses(store: Store, arm: str, run_id: str, status: str) -> None:
     assert f"arm {arm} has not finished (its newest train run {run_id} is {status})" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT (Ctrl-C)", "SIGTERM"])
+MLFLOW_RUNS_CTRL_C = "SIGINT, then SIGTERM"
+"""Ctrl-C under `mlflow run`: the terminal's SIGINT reaches both, and `mlflow
+run` then sends the stage a SIGTERM of its own while it stops its ranks."""
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, MLFLOW_RUNS_CTRL_C], ids=["SIGINT (Ctrl-C)", "SIGTERM", "Ctrl-C under mlflow run"]
+)
 def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig, tmp_path):
     log = tmp_path / "train.log"
     stage = _start_stage(ends_store, log, "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={LONG}")
@@ -494,10 +501,13 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
         run = _newest(ends_store, "train-compressed-tiny")
         assert run.info.status == "RUNNING"
         sent = time.monotonic()
-        if sig == signal.SIGINT:
-            os.killpg(stage.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        else:
+        if sig == signal.SIGTERM:
             stage.send_signal(signal.SIGTERM)  # what `kill PID` does
+        else:
+            os.killpg(stage.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        if sig == MLFLOW_RUNS_CTRL_C:
+            time.sleep(0.5)  # the stage is stopping its ranks
+            stage.send_signal(signal.SIGTERM)
         try:
             stage.wait(timeout=launch.STOP_GRACE_S + 60)
         except subprocess.TimeoutExpired:
@@ -515,7 +525,7 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     assert out.strip().splitlines()[-1] == "coopstudy train: interrupted", out[-3000:]
     ended = _client(ends_store).get_run(run.info.run_id)
     assert ended.info.status == "KILLED"
-    reason = "interrupted (SIGINT)" if sig == signal.SIGINT else "stopped by SIGTERM"
+    reason = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted (SIGINT)"
     assert reason in ended.data.tags[schema.TAG_ERROR], ended.data.tags[schema.TAG_ERROR]
     assert "every process it launched was stopped" in ended.data.tags[schema.TAG_ERROR]
     # The ranks were asked to stop; what they said of it on the run says so.

@@ -283,27 +283,50 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) while the stage's processes ran; they were stopped."""
 
 
+class _Stop:
+    depth = 0
+    """stopping() contexts open: the handlers are this module's while above 0."""
+    raised = False
+    """A stop signal has raised already: those after it are let pass."""
+
+
 def _on_stop_signal(signum: int, frame: object) -> None:
+    # Only the first: `mlflow run` answers a Ctrl-C with a SIGTERM of its own
+    # a moment later, which would otherwise cut short the stopping of the
+    # ranks that the first set off (they trained on into a KILLED run).
+    if _Stop.raised:
+        return
+    _Stop.raised = True
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     name = _signal_name(signum) or f"signal {signum}"
     raise Terminated(f"stopped by {name}; every process it launched was stopped too")
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def stopping() -> Iterator[None]:
     """While inside: a SIGTERM or SIGHUP of this process raises Terminated
     (a KeyboardInterrupt), so whatever is open ends as after Ctrl-C: launched
-    processes stopped, locks released, the run KILLED with the reason."""
+    processes stopped, locks released, the run KILLED with the reason. Only
+    the first stop signal (Ctrl-C included) raises; later ones cannot
+    interrupt that ending."""
     if threading.current_thread() is not threading.main_thread():
         # Signals reach the main thread only; there the handlers are set.
         yield
         return
-    previous = {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
+    # A Ctrl-C ignored from the start (a background job) stays ignored.
+    caught = [s for s in _STOP_SIGNALS if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, _on_stop_signal) for s in caught}
+    _Stop.depth += 1
     try:
         yield
     finally:
+        _Stop.depth -= 1
+        if _Stop.depth == 0:
+            _Stop.raised = False
         for s, handler in previous.items():
             signal.signal(s, handler)
 
