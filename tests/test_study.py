@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import Server, checkout_copy
+from fixtures import Server, checkout_copy, run_cli
 
 from coopstudy import config, study
 from coopstudy.commit import sources
@@ -333,3 +333,17 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
     finally:
         server.stop()
     assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
+
+
+def test_steps_started_one_by_one_are_reused_by_a_study(probed_tiny):
+    """One record however a step is started: a study finds the runs of
+    prepare, verify and probe started by hand, and runs none of them again."""
+    done = run_cli("study", "--preset", "tiny", "--through", "probe", env=probed_tiny.env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking_uri=probed_tiny.tracking_uri)
+    exp = client.get_experiment_by_name("coopstudy").experiment_id
+    for stage in ("prepare", "verify", "probe"):
+        runs = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = '{stage}'")
+        by_hand = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+        assert len(by_hand) == 1, [r.info.run_name for r in by_hand]
+        assert f"study: {stage}: reused run {by_hand[0].info.run_id}" in done.stdout, done.stdout[-3000:]

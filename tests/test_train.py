@@ -18,7 +18,7 @@ import psutil
 import pytest
 from fixtures import ROOT, module_store, run_cli
 
-from coopstudy import config, workspace
+from coopstudy import config, study, workspace
 from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import launch, lock, worker
@@ -89,6 +89,12 @@ def test_both_arms_sit_side_by_side_under_one_parent(both):
         assert run.data.params["train.updates"] == "6"
     # Control first, then compressed: never two training jobs at once.
     assert arms["control"].info.end_time <= arms["compressed"].info.start_time
+    # Each arm run carries the key of the study's step that trains that arm, so a study reuses it.
+    keys: dict[str, str] = {}
+    for step in study.STEPS:
+        keys[step.name] = study.step_key(step, config.load("tiny"), keys)
+    assert {arm: run.data.tags.get(schema.TAG_STEP_KEY) for arm, run in arms.items()} == {a: keys[f"train-{a}"] for a in arms}
+    assert schema.TAG_STEP_KEY not in parent.data.tags
     # Not a terminal: plain progress lines, one per update.
     assert "train control: update 6/6 loss" in done.stderr
 

@@ -29,6 +29,8 @@ from coopstudy.errors import UserError
 
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
+STUDY_STAGES = STEPS[:-1]
+"""The steps a study runs (`coopstudy.study.STEPS` by stage)."""
 TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 # Started by `train` and `probe`, never by hand, so `--help` does not list it:
 # the training loop's module imports torch, and listing it would cost seconds.
@@ -123,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(config_mod.to_yaml(cfg), end="")
             return 0
-        code = int(args._module.run(cfg, args) or 0)
+        code = _run_step(args.step, cfg, args)
         # A step may name the step that follows it on success (`probe --plan`):
         # steps never call each other, the parser runs them in turn.
         if code == 0 and getattr(args, "then", None):
-            code = int(_module(args.then).run(cfg, args) or 0)
+            code = _run_step(args.then, cfg, args)
         return code
     except UserError as err:
         print(f"coopstudy {args.step}: error: {err}", file=sys.stderr)
@@ -143,6 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         where = f" writing {err.filename}" if err.filename else ""
         print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
         return 2
+
+
+def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> int:
+    """Run step `name`; a step of the study started by itself carries the
+    step key the study would give it, so a later study reuses its run."""
+    module = _module(name)
+    if name not in STUDY_STAGES:
+        return int(module.run(cfg, args) or 0)
+    from coopstudy import study
+    from coopstudy.record import schema, writer
+
+    keys = study.standalone_keys(cfg, name, args)
+    with writer.tags_for_next_runs({arm: {schema.TAG_STEP_KEY: key} for arm, key in keys.items()}):
+        return int(module.run(cfg, args) or 0)
 
 
 def entry() -> None:

@@ -4,7 +4,9 @@ module that composes the steps (they never import each other).
 A step is reused when a FINISHED run with the same step key exists and what
 it left behind still verifies; the key hashes the resolved config, the step's
 own source files and the keys of the steps it depends on, so changed code or
-a rerun upstream step reruns it and everything after it.
+a rerun upstream step reruns it and everything after it. A step started by
+itself with the study's arguments carries the same key (standalone_keys), so
+steps run one by one and a study make one record.
 """
 
 from __future__ import annotations
@@ -140,6 +142,26 @@ def _reusable_run(step: Step, cfg: Config, key: str) -> str | None:
         except UserError:
             return None
     return runs[0].info.run_id
+
+
+def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[str | None, str]:
+    """The step keys of `coopstudy STAGE` started by itself, by the arm of the
+    run that carries each (None: a stage of no arm), where it does what the
+    study's steps do: the same arguments (`--plan` aside, which runs the plan
+    step after it), or `train --arm both` for both train steps. Its runs then
+    carry the keys, so a study reuses them: one record, however a step is
+    started. Empty for anything else."""
+    keys: dict[str, str] = {}
+    found: dict[str | None, str] = {}
+    for step in STEPS:
+        keys[step.name] = step_key(step, cfg, keys)
+        if step.stage != stage:
+            continue
+        own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
+        differ = {k for k, v in own.items() if getattr(args, k, None) != v}
+        if not differ or (differ == {"arm"} and args.arm == "both"):
+            found[own.get("arm")] = keys[step.name]
+    return found
 
 
 def selected_steps(through: str, arm: str) -> list[Step]:

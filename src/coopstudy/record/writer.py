@@ -122,12 +122,20 @@ class Recorder:
 
 # Tags for the next run a stage opens, set by a caller that wraps the stage
 # (the study sets the step key this way without every stage knowing of it).
-_pending_tags: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("pending_tags", default={})
+_pending_tags: contextvars.ContextVar[dict[str | None, dict[str, str]]] = contextvars.ContextVar("pending_tags", default={})
 
 
 @contextlib.contextmanager
 def tags_for_next_run(tags: Mapping[str, str]) -> Iterator[None]:
-    token = _pending_tags.set(dict(tags))
+    with tags_for_next_runs({None: tags}):
+        yield
+
+
+@contextlib.contextmanager
+def tags_for_next_runs(by_arm: Mapping[str | None, Mapping[str, str]]) -> Iterator[None]:
+    """Tags for the next run of each arm a stage opens; under None, for the
+    next run that no arm of `by_arm` claims."""
+    token = _pending_tags.set({arm: dict(tags) for arm, tags in by_arm.items()})
     try:
         yield
     finally:
@@ -196,8 +204,10 @@ def stage_run(
     rec = Recorder(active.info.run_id)
     pointer = _Pointer(launched, uri, rec.run_id, name) if launched is not None and not adopt else None
     try:
-        all_tags = _base_tags(stage, cfg, arm) | _pending_tags.get() | {k: str(v) for k, v in (tags or {}).items()}
-        _pending_tags.set({})
+        pending = _pending_tags.get()
+        claim = arm if arm in pending else None
+        all_tags = _base_tags(stage, cfg, arm) | pending.get(claim, {}) | {k: str(v) for k, v in (tags or {}).items()}
+        _pending_tags.set({a: t for a, t in pending.items() if a != claim})
         if adopt:
             all_tags["mlflow.runName"] = name
         rec.set_tags(all_tags)
