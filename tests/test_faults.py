@@ -763,6 +763,7 @@ def _model_cut_short(tmp: Path) -> str:
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
     "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
+    "an unknown flag": (lambda tmp: ("prepare", "--preset", "tiny", "--nosuch", "1"), "unrecognized arguments: --nosuch 1 (see `python -m coopstudy prepare --help`)"),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
     "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
     "bench generate --items 10**20": (

@@ -154,3 +154,24 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
     (run,) = _runs(client, "coopstudy")
     assert (db.parent / store.ARTIFACTS_BESIDE_DATABASE / exp.experiment_id / run.info.run_id / "artifacts" / schema.ART_CONFIG).is_file()
     assert not (started_in / "mlruns").exists() and not (project.root / "mlruns").exists()
+
+
+@pytest.mark.parametrize(
+    "params, said",
+    [
+        (("-P", "preset=tiny", "-P", "nosuch=1"), "-P nosuch: not a parameter of this entry point (its entry points take -P overrides, -P preset)"),
+        (("-P", "preset=nosuch"), "unknown preset 'nosuch'"),
+    ],
+    ids=["an unknown -P name", "an unknown preset"],
+)
+def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, params, said):
+    done = project.run("mlflow", "run", ".", "-e", "prepare", "--env-manager", "local", *params)
+    assert done.returncode == 1  # mlflow run's own code for any failure
+    (line,) = [s for s in done.stderr.splitlines() if s.startswith("coopstudy")]
+    assert line.startswith(f"coopstudy prepare: error: {said}"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    # Refused before a run of its own: mlflow run's run says why, not a random name and nothing.
+    (run,) = _runs(project.local, "Default")
+    preset = params[1].removeprefix("preset=")
+    assert (run.info.status, run.info.run_name) == ("FAILED", f"prepare-{preset} (refused)")
+    assert run.data.tags[schema.TAG_ERROR] == line.removeprefix("coopstudy prepare: error: ")

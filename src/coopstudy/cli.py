@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from types import ModuleType
 
 from coopstudy import config as config_mod
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(named if named in STEPS or named in TOOLS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        return _refuse(args, UserError(_unrecognized(args.step, unknown)))
     try:
         if not hasattr(args, "preset"):
             return int(args._module.main(args) or 0)
@@ -132,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             code = _run_step(args.then, cfg, args)
         return code
     except UserError as err:
-        print(f"coopstudy {args.step}: error: {err}", file=sys.stderr)
-        return 2
+        return _refuse(args, err)
     except KeyboardInterrupt:
         print(f"coopstudy {args.step}: interrupted", file=sys.stderr)
         return 130
@@ -145,6 +147,37 @@ def main(argv: list[str] | None = None) -> int:
         where = f" writing {err.filename}" if err.filename else ""
         print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
         return 2
+
+
+def _refuse(args: argparse.Namespace, err: UserError) -> int:
+    """Say a user's mistake in one line; exit 2."""
+    print(f"coopstudy{f' {args.step}' if args.step else ''}: error: {err}", file=sys.stderr)
+    if args.step and os.environ.get("MLFLOW_RUN_ID"):  # no stage run took `mlflow run`'s over (that one unsets it)
+        from coopstudy.record import writer
+
+        preset = getattr(args, "preset", None)
+        writer.mark_refused(f"{args.step}-{Path(preset).stem}" if preset else args.step, err)
+    return 2
+
+
+def _unrecognized(step: str | None, unknown: list[str]) -> str:
+    """What is wrong with arguments the parser does not know, in one line."""
+    if not (step and os.environ.get("MLFLOW_RUN_ID")):
+        return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
+    # Started by `mlflow run`, which turns a -P NAME=VALUE that the entry point
+    # does not declare into --NAME VALUE: say it as the user wrote it.
+    import yaml
+
+    from coopstudy import workspace
+
+    names = [a[2:] for a in unknown if a.startswith("--")] or unknown
+    try:
+        entries = yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"]
+        declared = sorted({p for e in entries.values() if e["command"].startswith(f"python -m coopstudy {step} ") for p in e["parameters"]})
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        declared = []
+    takes = f" (its entry points take {', '.join(f'-P {p}' for p in declared)})" if declared else ""
+    return f"-P {', '.join(names)}: not a parameter of this entry point{takes}"
 
 
 def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> int:

@@ -258,6 +258,29 @@ class _Pointer:
         self.client.set_terminated(self.launched.run_id, status)
 
 
+def mark_refused(name: str, err: BaseException) -> None:
+    """`mlflow run`'s run, when the command refused before any stage run took
+    it over: named `<name> (refused)` with the reason, so the record says what
+    became of it (`mlflow run` ends it FAILED). Not a run that is no longer
+    RUNNING: an MLFLOW_RUN_ID left in a shell names somebody's old run."""
+    if _launcher is None or not _launcher.tracking_uri:
+        return
+    from mlflow import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=_launcher.tracking_uri)
+        if client.get_run(_launcher.run_id).info.status != "RUNNING":
+            return
+        why = str(err)[:MAX_TAG_CHARS] or type(err).__name__
+        tags = {
+            "mlflow.runName": f"{name} (refused)", schema.TAG_ERROR: why, schema.TAG_ERROR_KIND: type(err).__name__,
+            "mlflow.note.content": f"The command refused before it opened a run of its own: {why}",
+        }  # fmt: skip
+        client.log_batch(_launcher.run_id, tags=[_tag(k, v) for k, v in tags.items()])
+    except Exception:  # noqa: BLE001 - the store may be what was refused; the message matters more
+        pass
+
+
 def _tag(key: str, value: str):
     from mlflow.entities import RunTag
 
