@@ -54,7 +54,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.lr=1e-4 data.tasks_per_family=32",
+        help="override config values, e.g. --set train.lr=1e-4 data.tasks_per_family=32; a value with "
+        "spaces is one quoted word (--set 'data.families=[gcd, products]'); within a word a new "
+        "override starts at each space followed by KEY=",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
 
@@ -81,7 +83,9 @@ def _with_experiment(overrides: list[str]) -> list[str]:
 def _split_overrides(item: str) -> list[str]:
     """MLproject passes all overrides as one word, or an empty one. A word
     starts a new override only where a `key=` follows the space, so a value
-    may hold spaces: `data.families=[gcd, products]`."""
+    may hold spaces: `data.families=[gcd, products]`. Any `key=` starts one,
+    known or not: a misspelt key is then refused by its name, not taken into
+    the value before it."""
     return [o for o in re.split(r"\s+(?=[A-Za-z_][\w.]*=)", item.strip()) if o]
 
 
