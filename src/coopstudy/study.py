@@ -154,6 +154,8 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
     keys: dict[str, str] = {}
     found: dict[str | None, str] = {}
     for step in STEPS:
+        if step.stage != stage and found:
+            break  # a stage's steps are consecutive; the later steps' sources need no hashing
         keys[step.name] = step_key(step, cfg, keys)
         if step.stage != stage:
             continue

@@ -267,6 +267,8 @@ def mark_refused(name: str, err: BaseException) -> None:
         return
     from mlflow import MlflowClient
 
+    if store.is_http(_launcher.tracking_uri):
+        store.use_http_defaults()  # a server that does not answer costs seconds, not minutes
     try:
         client = MlflowClient(tracking_uri=_launcher.tracking_uri)
         if client.get_run(_launcher.run_id).info.status != "RUNNING":
