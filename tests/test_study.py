@@ -347,3 +347,19 @@ def test_steps_started_one_by_one_are_reused_by_a_study(probed_tiny):
         by_hand = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
         assert len(by_hand) == 1, [r.info.run_name for r in by_hand]
         assert f"study: {stage}: reused run {by_hand[0].info.run_id}" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_step_started_by_itself_takes_no_key_when_its_upstream_has_no_run_under_one(probed_tiny):
+    """A key says "the study's step, after these runs": a prepare run without
+    one (made before step keys were given by hand, say) leaves the plan made
+    after it keyless, so a study plans again rather than reuse it blindly."""
+    client = mlflow.MlflowClient(tracking_uri=probed_tiny.tracking_uri)
+    exp = client.get_experiment_by_name("coopstudy").experiment_id
+    (prepared,) = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = 'prepare'")
+    client.delete_tag(prepared.info.run_id, schema.TAG_STEP_KEY)
+    done = run_cli("plan", "--preset", "tiny", env=probed_tiny.env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    (planned,) = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = 'plan'")
+    assert schema.TAG_STEP_KEY not in planned.data.tags
+    (verified,) = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = 'verify'")
+    assert schema.TAG_STEP_KEY in verified.data.tags  # no upstream: keyed as the study keys it

@@ -31,7 +31,7 @@ from coopstudy.errors import UserError
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
 STUDY_STAGES = STEPS[:-1]
-"""The steps a study runs (`coopstudy.study.STEPS` by stage)."""
+"""The steps a study runs: every step but `study` itself."""
 TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 # Started by `train` and `probe`, never by hand, so `--help` does not list it:
 # the training loop's module imports torch, and listing it would cost seconds.
@@ -92,8 +92,11 @@ def _split_overrides(item: str) -> list[str]:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only`, just that command's sub-parser: a command
     then imports no other command's module (some import torch at the top)."""
+    # No abbreviations: `mlflow run` turns an unknown -P dry=1 into --dry 1,
+    # which would otherwise be taken for --dry-run.
     parser = argparse.ArgumentParser(
         prog="coopstudy",
+        allow_abbrev=False,
         description=(
             "A pre-registered study: PowerSGD-compressed two-worker DDP fine-tuning against a "
             "single-device control, every step an MLflow run. Steps run in the order listed; "
@@ -108,6 +111,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             help=module.HELP,
             description=getattr(module, "DESCRIPTION", module.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            allow_abbrev=False,
         )
         if name in STEPS:
             add_config_arguments(p)
@@ -186,16 +190,20 @@ def _unrecognized(step: str | None, unknown: list[str]) -> str:
 
 def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> int:
     """Run step `name`; a step of the study started by itself carries the
-    step key the study would give it, so a later study reuses its run."""
-    module = _module(name)
-    if name not in STUDY_STAGES:
-        return int(module.run(cfg, args) or 0)
-    from coopstudy import study
-    from coopstudy.record import schema, writer
+    step key the study would give it, so a later study reuses its run.
+    A SIGTERM or SIGHUP ends it as Ctrl-C does, its runs KILLED with the
+    reason, and only the first of them counts (`mlflow run` follows a Ctrl-C
+    with a SIGTERM, which would otherwise kill the process mid-record)."""
+    from coopstudy.run import launch
 
-    keys = study.standalone_keys(cfg, name, args)
-    with writer.tags_for_next_runs({arm: {schema.TAG_STEP_KEY: key} for arm, key in keys.items()}):
-        return int(module.run(cfg, args) or 0)
+    module = _module(name)
+    with launch.stopping():
+        if name not in STUDY_STAGES:
+            return int(module.run(cfg, args) or 0)
+        from coopstudy import study
+
+        with study.alone(name, cfg, args):
+            return int(module.run(cfg, args) or 0)
 
 
 def entry() -> None:

@@ -320,6 +320,11 @@ def preset_argument(name: str) -> str:
     return _PRESET_FILES.get(name, name)
 
 
+def set_arguments(overrides: list[str]) -> list[str]:
+    """The command-line words that give `overrides` (as `--set` took them) again."""
+    return [word for o in overrides if o.strip() for word in ("--set", o)]
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in (workspace.project_root() / PRESET_DIR).glob("*.yaml"))
 

@@ -12,9 +12,10 @@ steps run one by one and a study make one record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -64,6 +65,10 @@ def _plan_ok(cfg: Config, run: Any) -> None:
 
 
 def _checkpoint_ok(cfg: Config, run: Any) -> None:
+    # Trained under the plan in force: a plan committed again since (its probe
+    # rerun) makes select look for runs of the new plan.
+    if run.data.tags.get(schema.TAG_PLAN) != require.committed_plan(cfg):
+        raise UserError(f"run {run.info.run_id} trained under another plan than the one in force")
     folder = run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
     weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
     if not weights.is_file() or workspace.sha256_file(weights) != run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
@@ -159,11 +164,24 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
         keys[step.name] = step_key(step, cfg, keys)
         if step.stage != stage:
             continue
+        # A key says "the study's step, after these runs": not so when an
+        # upstream step has no run a study would reuse under its key.
+        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], cfg, keys[up]) for up in step.after):
+            continue
         own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
         differ = {k for k, v in own.items() if getattr(args, k, None) != v}
         if not differ or (differ == {"arm"} and args.arm == "both"):
             found[own.get("arm")] = keys[step.name]
     return found
+
+
+@contextlib.contextmanager
+def alone(stage: str, cfg: Config, args: argparse.Namespace) -> Iterator[None]:
+    """While inside: the runs of `coopstudy STAGE` started by itself carry
+    the study's step keys (standalone_keys)."""
+    keys = standalone_keys(cfg, stage, args)
+    with writer.tags_for_next_runs({arm: {schema.TAG_STEP_KEY: key} for arm, key in keys.items()}):
+        yield
 
 
 def selected_steps(through: str, arm: str) -> list[Step]:

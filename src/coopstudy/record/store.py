@@ -279,13 +279,14 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
     mlflow_client = client()
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is None:
+        why = ""
         try:
             _create_experiment(mlflow_client, name)
-        except Exception:  # noqa: BLE001 - another process created it first; looked up again below
-            pass
+        except Exception as err:  # noqa: BLE001 - another process created it first? looked up again below
+            why = f": {' '.join(str(err).split())[:300]}"
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
-            raise UserError(f"experiment {name!r} could not be created in {tracking_uri()}")
+            raise UserError(f"experiment {name!r} could not be created in {tracking_uri()}{why}")
     if exp.lifecycle_stage == "deleted":
         raise UserError(
             f"experiment {name!r} is deleted in {tracking_uri()}; restore it "

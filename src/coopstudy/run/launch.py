@@ -312,23 +312,26 @@ def stopping() -> Iterator[None]:
     (a KeyboardInterrupt), so whatever is open ends as after Ctrl-C: launched
     processes stopped, locks released, the run KILLED with the reason. Only
     the first stop signal (Ctrl-C included) raises; later ones cannot
-    interrupt that ending."""
+    interrupt that ending (SIGKILL still ends a stop that hangs)."""
     if threading.current_thread() is not threading.main_thread():
         # Signals reach the main thread only; there the handlers are set.
         yield
         return
-    # A Ctrl-C ignored from the start (a background job) stays ignored.
-    caught = [s for s in _STOP_SIGNALS if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN]
+    # A signal ignored from the start stays ignored: Ctrl-C in a background
+    # job, a hangup under nohup.
+    caught = [s for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
     previous = {s: signal.signal(s, _on_stop_signal) for s in caught}
     _Stop.depth += 1
     try:
         yield
     finally:
+        # The handlers first: a late signal between the two would find the
+        # latch open and raise out of this finally.
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         _Stop.depth -= 1
         if _Stop.depth == 0:
             _Stop.raised = False
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def group_members(pgid: int) -> list[psutil.Process]:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
-from coopstudy.config import Config, ProbeCandidate, from_dict
+from coopstudy.config import Config, ProbeCandidate, from_dict, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
@@ -215,6 +215,6 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
         # The plan is of this config: without the same overrides it would be another's.
-        again = "".join(f" --set {shlex.quote(o)}" for o in args.overrides if o.strip())
-        console.print(f"next: `python -m coopstudy plan --preset {cfg.preset_argument}{again}` records the choice in the plan", highlight=False, soft_wrap=True)
+        again = shlex.join(["python", "-m", "coopstudy", "plan", "--preset", cfg.preset_argument, *set_arguments(args.overrides)])
+        console.print(f"next: `{again}` records the choice in the plan", highlight=False, soft_wrap=True)
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from coopstudy import errors
 from coopstudy.commit import require
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ARMS, Config, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import launch, lock
@@ -147,9 +147,7 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
 
 def _join_command(args: argparse.Namespace, nodes: Nodes, run_id: str, rank: int) -> str:
     words = ["python", "-m", "coopstudy", "train", "--preset", str(args.preset), "--arm", "compressed"]
-    overrides = [o for item in getattr(args, "overrides", []) or [] for o in item.split()]
-    if overrides:
-        words += ["--set", *overrides]
+    words += set_arguments(args.overrides)
     if args.hostfile is not None:
         words += ["--hostfile", str(args.hostfile)]
     words += ["--nodes", str(nodes.count), "--node-rank", str(rank), "--master-addr", nodes.master_addr]
