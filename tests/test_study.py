@@ -104,6 +104,7 @@ def first(copy) -> First:
 def test_train_entry_point_runs_what_train_needs_first(first, copy):
     out = first.train.stdout
     assert _steps(out, "running") == ["prepare", "verify", "probe", "plan", "train-control", "train-compressed"]
+    assert "next: `" not in out  # the study runs the plan itself; probe does not tell the user to
     arms = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train")}
     assert set(arms) == {"control", "compressed"}
     assert all(r.info.status == "FINISHED" for r in arms.values())

@@ -214,7 +214,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     # Not train-<arm>-<preset>: that is the name of the arm run it starts.
     name = f"study-train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
     with writer.stage_run(schema.STAGE_STUDY, cfg, run_name=name) as rec:
-        for step in steps:
+        for n, step in enumerate(steps):
             key = step_key(step, cfg, keys)
             keys[step.name] = key
             reused = _reusable_run(step, cfg, key)
@@ -222,8 +222,12 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged)", flush=True)
                 continue
             print(f"study: {step.name}: running", flush=True)
+            step_args = _step_args(step, args)
+            if hasattr(step_args, "then"):
+                # The study runs what follows: a "next:" hint would tell the user to.
+                step_args.then = steps[n + 1].stage if n + 1 < len(steps) else None
             with writer.tags_for_next_run({schema.TAG_STEP_KEY: key}):
-                MODULES[step.stage].run(cfg, _step_args(step, args))
+                MODULES[step.stage].run(cfg, step_args)
         rec.log_metrics({schema.M_STUDY_SECONDS: time.perf_counter() - t0})
         rec.log_dict(keys, schema.ART_STEP_KEYS)
     return 0
