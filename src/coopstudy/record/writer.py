@@ -240,19 +240,12 @@ class _Pointer:
         from mlflow import MlflowClient
 
         self.client, self.launched = MlflowClient(tracking_uri=launched.tracking_uri), launched
-        self.client.log_batch(
-            launched.run_id,
-            tags=[
-                _tag(schema.TAG_RECORD_URI, uri),
-                _tag(schema.TAG_RECORD_RUN, run_id),
-                _tag("mlflow.runName", f"{name} (pointer)"),
-                _tag(
-                    "mlflow.note.content",
-                    f"This run only points to the study's record: run `{run_id}` in the store `{uri}`. "
-                    "Every param, metric and artifact of this step is there.",
-                ),
-            ],
-        )
+        _label(
+            self.client, launched.run_id, f"{name} (pointer)",
+            f"This run only points to the study's record: run `{run_id}` in the store `{uri}`. "
+            "Every param, metric and artifact of this step is there.",
+            {schema.TAG_RECORD_URI: uri, schema.TAG_RECORD_RUN: run_id},
+        )  # fmt: skip
 
     def end(self, status: str) -> None:
         self.client.set_terminated(self.launched.run_id, status)
@@ -274,19 +267,20 @@ def mark_refused(name: str, err: BaseException) -> None:
         if client.get_run(_launcher.run_id).info.status != "RUNNING":
             return
         why = str(err)[:MAX_TAG_CHARS] or type(err).__name__
-        tags = {
-            "mlflow.runName": f"{name} (refused)", schema.TAG_ERROR: why, schema.TAG_ERROR_KIND: type(err).__name__,
-            "mlflow.note.content": f"The command refused before it opened a run of its own: {why}",
-        }  # fmt: skip
-        client.log_batch(_launcher.run_id, tags=[_tag(k, v) for k, v in tags.items()])
+        _label(
+            client, _launcher.run_id, f"{name} (refused)", f"The command refused before it opened a run of its own: {why}",
+            {schema.TAG_ERROR: why, schema.TAG_ERROR_KIND: type(err).__name__},
+        )  # fmt: skip
     except Exception:  # noqa: BLE001 - the store may be what was refused; the message matters more
         pass
 
 
-def _tag(key: str, value: str):
+def _label(client: Any, run_id: str, name: str, note: str, tags: Mapping[str, str]) -> None:
+    """Name and annotate `mlflow run`'s run, which the study did not take as its record."""
     from mlflow.entities import RunTag
 
-    return RunTag(key, value)
+    tags = {**tags, "mlflow.runName": name, "mlflow.note.content": note}
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 def _end(rec: Recorder, status: str) -> bool:
