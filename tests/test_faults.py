@@ -814,8 +814,9 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "--set with a wrong type": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.lr=fast"), "train.lr: Input should be a valid number"),
     "unknown family name": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.families=[gcd,no_such_family]"),
-        "data.families: reasoning-gym cannot make 'no_such_family'",
+        "data.families: reasoning-gym has no family 'no_such_family'; it knows ",
     ),
+    "a family name misspelt": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.families=[gcdd]"), "data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
     "--set with no =": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.lr"), "override 'train.lr': expected key=value"),
     "--set with an empty key part": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train..lr=1"), "override 'train..lr=1': expected key=value"),
     "report --out ''": (lambda tmp: ("report", "--preset", "tiny", "--out", ""), "--out: an empty path"),

@@ -157,21 +157,36 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
 
 
 @pytest.mark.parametrize(
-    "params, said",
+    "entry, params, said",
     [
-        (("-P", "preset=tiny", "-P", "nosuch=1"), "-P nosuch: not a parameter of this entry point (its entry points take -P overrides, -P preset)"),
-        (("-P", "preset=nosuch"), "unknown preset 'nosuch'"),
+        ("prepare", ("-P", "preset=tiny", "-P", "nosuch=1"), "-P nosuch: not a parameter of entry point prepare (it takes -P overrides, -P preset)"),
+        # main and train both run `study`; each names its own parameters, not theirs together.
+        ("main", ("-P", "preset=tiny", "-P", "nosuch=1"), "-P nosuch: not a parameter of entry point main (it takes -P overrides, -P preset)"),
+        ("train", ("-P", "preset=tiny", "-P", "nosuch=1"), "-P nosuch: not a parameter of entry point train (it takes -P arm, -P overrides, -P preset)"),
+        ("prepare", ("-P", "preset=nosuch"), "unknown preset 'nosuch'"),
     ],
-    ids=["an unknown -P name", "an unknown preset"],
+    ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset"],
 )
-def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, params, said):
-    done = project.run("mlflow", "run", ".", "-e", "prepare", "--env-manager", "local", *params)
+def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, entry, params, said):
+    done = project.run("mlflow", "run", ".", "-e", entry, "--env-manager", "local", *params)
     assert done.returncode == 1  # mlflow run's own code for any failure
+    step = yaml.safe_load((project.root / "MLproject").read_text())["entry_points"][entry]["command"].split()[3]
     (line,) = [s for s in done.stderr.splitlines() if s.startswith("coopstudy")]
-    assert line.startswith(f"coopstudy prepare: error: {said}"), done.stderr[-3000:]
+    assert line.startswith(f"coopstudy {step}: error: {said}"), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     # Refused before a run of its own: mlflow run's run says why, not a random name and nothing.
     (run,) = _runs(project.local, "Default")
     preset = params[1].removeprefix("preset=")
-    assert (run.info.status, run.info.run_name) == ("FAILED", f"prepare-{preset} (refused)")
-    assert run.data.tags[schema.TAG_ERROR] == line.removeprefix("coopstudy prepare: error: ")
+    assert (run.info.status, run.info.run_name) == ("FAILED", f"{step}-{preset} (refused)")
+    assert run.data.tags[schema.TAG_ERROR] == line.removeprefix(f"coopstudy {step}: error: ")
+
+
+def test_a_typo_by_hand_under_a_leftover_mlflow_run_id_is_told_as_the_cli_flag_and_leaves_that_run_alone(project):
+    project.mlflow_run("prepare", "-P", "preset=tiny")
+    (old,) = _runs(project.local, "Default")
+    project.env |= {"MLFLOW_RUN_ID": old.info.run_id, "MLFLOW_TRACKING_URI": f"sqlite:///{project.root / 'mlflow.db'}"}
+    done = project.run(sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny", "--nosuch", "1")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "coopstudy prepare: error: unrecognized arguments: --nosuch 1 (see `python -m coopstudy prepare --help`)"
+    again = project.local.get_run(old.info.run_id)
+    assert (again.info.status, again.info.run_name, again.data.tags) == (old.info.status, old.info.run_name, old.data.tags)

@@ -170,7 +170,12 @@ def _refuse(args: argparse.Namespace, err: UserError) -> int:
 
 def _unrecognized(step: str | None, unknown: list[str]) -> str:
     """What is wrong with arguments the parser does not know, in one line."""
-    if not (step and os.environ.get("MLFLOW_RUN_ID")):
+    entry = None
+    if step and os.environ.get("MLFLOW_RUN_ID"):
+        from coopstudy.record import writer
+
+        entry = writer.launching_entry_point()
+    if entry is None:
         return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
     # Started by `mlflow run`, which turns a -P NAME=VALUE that the entry point
     # does not declare into --NAME VALUE: say it as the user wrote it.
@@ -180,12 +185,11 @@ def _unrecognized(step: str | None, unknown: list[str]) -> str:
 
     names = [a[2:] for a in unknown if a.startswith("--")] or unknown
     try:
-        entries = yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"]
-        declared = sorted({p for e in entries.values() if e["command"].startswith(f"python -m coopstudy {step} ") for p in e["parameters"]})
+        declared = sorted(yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"][entry]["parameters"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         declared = []
-    takes = f" (its entry points take {', '.join(f'-P {p}' for p in declared)})" if declared else ""
-    return f"-P {', '.join(names)}: not a parameter of this entry point{takes}"
+    takes = f" (it takes {', '.join(f'-P {p}' for p in declared)})" if declared else ""
+    return f"-P {', '.join(names)}: not a parameter of entry point {entry}{takes}"
 
 
 def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> int:

@@ -251,24 +251,42 @@ class _Pointer:
         self.client.set_terminated(self.launched.run_id, status)
 
 
-def mark_refused(name: str, err: BaseException) -> None:
-    """`mlflow run`'s run, when the command refused before any stage run took
-    it over: named `<name> (refused)` with the reason, so the record says what
-    became of it (`mlflow run` ends it FAILED). Not a run that is no longer
-    RUNNING: an MLFLOW_RUN_ID left in a shell names somebody's old run."""
+def _launching_run() -> tuple[Any, Any] | None:
+    """A client and `mlflow run`'s run that started this process, while that
+    run is RUNNING. None otherwise: an MLFLOW_RUN_ID left in a shell names
+    somebody's old run, which is not to be touched or taken for a launcher."""
     if _launcher is None or not _launcher.tracking_uri:
-        return
+        return None
     from mlflow import MlflowClient
 
     if store.is_http(_launcher.tracking_uri):
         store.use_http_defaults()  # a server that does not answer costs seconds, not minutes
     try:
         client = MlflowClient(tracking_uri=_launcher.tracking_uri)
-        if client.get_run(_launcher.run_id).info.status != "RUNNING":
-            return
-        why = str(err)[:MAX_TAG_CHARS] or type(err).__name__
+        run = client.get_run(_launcher.run_id)
+    except Exception:  # noqa: BLE001 - the store may be what was refused; the message matters more
+        return None
+    return (client, run) if run.info.status == "RUNNING" else None
+
+
+def launching_entry_point() -> str | None:
+    """The MLproject entry point `mlflow run` started this process as, or None."""
+    launching = _launching_run()
+    return None if launching is None else launching[1].data.tags.get("mlflow.project.entryPoint")
+
+
+def mark_refused(name: str, err: BaseException) -> None:
+    """`mlflow run`'s run, when the command refused before any stage run took
+    it over: named `<name> (refused)` with the reason, so the record says what
+    became of it (`mlflow run` ends it FAILED)."""
+    launching = _launching_run()
+    if launching is None:
+        return
+    client, run = launching
+    why = str(err)[:MAX_TAG_CHARS] or type(err).__name__
+    try:
         _label(
-            client, _launcher.run_id, f"{name} (refused)", f"The command refused before it opened a run of its own: {why}",
+            client, run.info.run_id, f"{name} (refused)", f"The command refused before it opened a run of its own: {why}",
             {schema.TAG_ERROR: why, schema.TAG_ERROR_KIND: type(err).__name__},
         )  # fmt: skip
     except Exception:  # noqa: BLE001 - the store may be what was refused; the message matters more

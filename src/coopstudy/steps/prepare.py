@@ -9,7 +9,7 @@ from coopstudy import ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
 from coopstudy.errors import UserError
-from coopstudy.inputs import data
+from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 
@@ -33,10 +33,12 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     book = ledger.Ledger()
     with writer.stage_run(schema.STAGE_PREPARE, cfg) as rec:
-        # A ledger whose chain does not verify, or a replay source that is
-        # missing or malformed, is refused before any work.
+        # A ledger whose chain does not verify, a replay source that is
+        # missing or malformed, or a family reasoning-gym does not know is
+        # refused before any work.
         book.entries()
         pool = data.conversation_pool(cfg)
+        tasks.check_families(cfg.data.families, "data.families")
 
         seed_at = time.perf_counter()
         seed = resolve_seed(cfg)
