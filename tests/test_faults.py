@@ -488,8 +488,13 @@ MLFLOW_RUNS_CTRL_C = "SIGINT, then SIGTERM"
 run` then sends the stage a SIGTERM of its own while it stops its ranks."""
 
 
+CTRL_C_TWICE = "SIGINT, then SIGINT"
+
+
 @pytest.mark.parametrize(
-    "sig", [signal.SIGINT, signal.SIGTERM, MLFLOW_RUNS_CTRL_C], ids=["SIGINT (Ctrl-C)", "SIGTERM", "Ctrl-C under mlflow run"]
+    "sig",
+    [signal.SIGINT, signal.SIGTERM, MLFLOW_RUNS_CTRL_C, CTRL_C_TWICE],
+    ids=["SIGINT (Ctrl-C)", "SIGTERM", "Ctrl-C under mlflow run", "Ctrl-C twice"],
 )
 def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig, tmp_path):
     log = tmp_path / "train.log"
@@ -505,9 +510,9 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
             stage.send_signal(signal.SIGTERM)  # what `kill PID` does
         else:
             os.killpg(stage.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        if sig == MLFLOW_RUNS_CTRL_C:
+        if sig in (MLFLOW_RUNS_CTRL_C, CTRL_C_TWICE):
             time.sleep(0.5)  # the stage is stopping its ranks
-            stage.send_signal(signal.SIGTERM)
+            stage.send_signal(signal.SIGTERM if sig == MLFLOW_RUNS_CTRL_C else signal.SIGINT)
         try:
             stage.wait(timeout=launch.STOP_GRACE_S + 60)
         except subprocess.TimeoutExpired:
@@ -523,6 +528,8 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     assert took < launch.STOP_GRACE_S, took
     assert stage.returncode == 130, out[-3000:]
     assert out.strip().splitlines()[-1] == "coopstudy train: interrupted", out[-3000:]
+    told = launch.ALREADY_STOPPING.format(pid=stage.pid) in out
+    assert told == (sig == CTRL_C_TWICE), out[-3000:]
     ended = _client(ends_store).get_run(run.info.run_id)
     assert ended.info.status == "KILLED"
     reason = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted (SIGINT)"

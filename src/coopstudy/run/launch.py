@@ -283,6 +283,10 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) while the stage's processes ran; they were stopped."""
 
 
+ALREADY_STOPPING = "coopstudy: already stopping: its processes, then its record; `kill -9 {pid}` ends it now and leaves its run RUNNING\n"
+"""Said at each Ctrl-C after the first, which the stopping lets pass."""
+
+
 class _Stop:
     depth = 0
     """stopping() contexts open: the handlers are this module's while above 0."""
@@ -295,6 +299,9 @@ def _on_stop_signal(signum: int, frame: object) -> None:
     # a moment later, which would otherwise cut short the stopping of the
     # ranks that the first set off (they trained on into a KILLED run).
     if _Stop.raised:
+        if signum == signal.SIGINT:  # Ctrl-C again: say why nothing happens, and what would
+            # os.write, not print: the main thread may be inside a print to stderr.
+            os.write(2, ALREADY_STOPPING.format(pid=os.getpid()).encode())
         return
     _Stop.raised = True
     if signum == signal.SIGINT:
