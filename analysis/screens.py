@@ -142,25 +142,32 @@ def _pts(x: float) -> str:
 
 
 def gain_sensitivity(
-    table: stats.PairedTable, tango: stats.Interval, newcombe: stats.Interval, threshold: float
+    table: stats.PairedTable, tango: stats.Interval, newcombe: stats.Interval, threshold: float, level: float
 ) -> tuple[dict[str, Any], bool, str]:
     """The accuracy-gain screen passes on its point estimate: the interval's
     half-width, the estimate's standard error and the band of true gains where
     the verdict is a coin toss (it passes with probability POWER only from
     threshold + z se, fails so only below threshold - z se). A PASS has power
-    when the interval excludes no gain (Tango's lower limit above 0)."""
-    se = stats.paired_se(table)
+    when the interval excludes no gain (Tango's lower limit above 0).
+
+    With no discordant case the observed standard error is 0, which would put
+    the band at the threshold itself; the standard error Tango's interval
+    implies (half-width / z of the level) stands in, and the note says so."""
+    discordant = table.n10 + table.n01
+    se = stats.paired_se(table) if discordant else (tango.upper - tango.lower) / 2 / float(sps.norm.ppf((1 + level) / 2))
     z = float(sps.norm.ppf(POWER))
     half = (tango.upper - tango.lower) / 2
     sens = {
         "half_width": half,
         "newcombe_half_width": (newcombe.upper - newcombe.lower) / 2,
         "se": se,
+        "se_from": "paired cases" if discordant else "Tango's interval (no discordant case)",
         "lower_minus_threshold": tango.lower - threshold,
         "pass_likely_above": threshold + z * se,
         "fail_likely_below": threshold - z * se,
         "power": POWER,
-        "note": f"±{100 * half:.1f} pts; passes w.p. {POWER:.0%} from a true {_pts(threshold + z * se)}",
+        "note": f"±{100 * half:.1f} pts; passes w.p. {POWER:.0%} from a true {_pts(threshold + z * se)}"
+        + ("" if discordant else " (no discordant case: se from Tango's interval)"),
     }
     powered = tango.lower > 0
     why = (
@@ -263,7 +270,7 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     # Decided on the point estimate; whether the interval also clears the bar
     # is shown, never substituted for the verdict.
     details["tango_lower_clears_threshold"] = bool(tango.lower >= threshold)
-    sens, powered, why = gain_sensitivity(table, tango, newcombe, threshold)
+    sens, powered, why = gain_sensitivity(table, tango, newcombe, threshold, cfg.interval_level)
     return Screen(
         name=ACCURACY_GAIN,
         title="accuracy gain over the seed model",

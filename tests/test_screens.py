@@ -260,6 +260,17 @@ def test_gain_sensitivity_is_the_band_where_the_verdict_is_a_coin_toss():
     assert s.sensitivity["fail_likely_below"] == pytest.approx(0.10 - z * se)
     assert s.sensitivity["half_width"] == pytest.approx((s.interval[1] - s.interval[0]) / 2)
     assert s.sensitivity["lower_minus_threshold"] == pytest.approx(s.interval[0] - 0.10)
+
+
+def test_gain_sensitivity_without_discordant_cases_is_not_the_threshold_itself():
+    # 16 cases every one wrong for both models: the observed se is 0, and
+    # "passes w.p. 80% from a true +10.0 pts" would be false (at the threshold it is a coin toss).
+    s = sc.accuracy_gain(_gain_cases(0, 0, 0, 16), CFG)
+    half = (s.interval[1] - s.interval[0]) / 2
+    se = half / sps.norm.ppf(0.975)
+    assert s.sensitivity["se"] == pytest.approx(se) and se > 0.05
+    assert s.sensitivity["pass_likely_above"] == pytest.approx(0.10 + sps.norm.ppf(0.8) * se)
+    assert s.sensitivity["note"].endswith("(no discordant case: se from Tango's interval)")
     # A pass whose interval still holds "no gain" has no power.
     small = sc.accuracy_gain(_gain_cases(5, 3, 1, 11), CFG)
     assert small.passed and small.interval[0] < 0 and small.powered is False
