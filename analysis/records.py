@@ -59,6 +59,7 @@ RUN_METRICS = {
     "bytes_dense": schema.M_BYTES_DENSE,
     "bytes_compressed": schema.M_BYTES_COMPRESSED,
     "bytes_total": schema.M_BYTES_TOTAL,
+    "bytes_setup": schema.M_BYTES_SETUP,
     "peak_rss_mb": schema.M_PEAK_RSS_MB,
     "cost_usd": schema.M_COST_USD,
 }

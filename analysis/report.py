@@ -29,8 +29,8 @@ NO_DENSE_ARM = (
 )
 BYTES_NOTE = (
     "Bytes per worker are rank 0's collective payload, as the record's bytes/* metrics hold it; "
-    "every rank of the gradient collectives moves a payload of the same size, so all workers together move "
-    "the workers' count times it."
+    "every rank of the gradient collectives sends a payload of the same size, so all workers together send "
+    "the workers' count times it; DDP's setup broadcast, a part of the total, is sent once, by rank 0 alone."
 )
 BREAKDOWN_NOTE = (
     "Update = forward and backward + comm (the gradient comm hook, waits for the other worker included) "
@@ -238,12 +238,13 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("bytes sent per worker (rank 0), dense phase", "bytes_dense", 0),
         ("bytes sent per worker (rank 0), compressed phase", "bytes_compressed", 0),
         ("bytes sent per worker (rank 0), total", "bytes_total", 0),
+        ("of it, DDP's setup broadcast (sent by rank 0 alone)", "bytes_setup", 0),
         ("bytes sent, all workers, dense phase", "bytes_dense_all_workers", 0),
         ("bytes sent, all workers, compressed phase", "bytes_compressed_all_workers", 0),
         ("bytes sent, all workers, total", "bytes_total_all_workers", 0),
         ("workers", "workers", 0),
         ("spent cost (USD)", "cost_usd", 2),
-        ("peak RSS (MB)", "peak_rss_mb", 0),
+        ("peak RSS (MiB)", "peak_rss_mb", 0),
     ]
     rows = [[label, _count(arms["control"].get(key), d), _count(arms["compressed"].get(key), d)] for label, key, d in lines]
     ratio = report["resources"]["device_seconds_ratio"]

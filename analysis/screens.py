@@ -461,12 +461,14 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
     finish sooner may still hold more device time than one.
 
     Bytes: the record's bytes/* metrics are rank 0's collective payload, one
-    worker's. Every rank of the gradient collectives (and of DDP's setup broadcast) moves
-    a payload of the same size, so all workers together move `workers` times
-    it: `<name>_all_workers` beside each (None when `workers` is not given).
+    worker's. Every rank of the gradient collectives sends a payload of the
+    same size, so all workers together send `workers` times it:
+    `<name>_all_workers` beside each (None when `workers` is not given). DDP's
+    setup broadcast, a part of the total, is sent once, by rank 0 alone (None
+    for the total of a record without bytes/setup).
     """
     columns = ["active_seconds", "complete_seconds", "device_seconds", "checkpoint_seconds",
-               *BYTES_PER_WORKER, "cost_usd", "peak_rss_mb"]
+               *BYTES_PER_WORKER, "bytes_setup", "cost_usd", "peak_rss_mb"]
     arms = {}
     for _, row in train.iterrows():
         arm = str(row["arm"])
@@ -475,6 +477,9 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
         figures["workers"] = count
         for c in BYTES_PER_WORKER:
             figures[f"{c}_all_workers"] = None if count is None or figures[c] is None else figures[c] * count
+        if figures["bytes_total_all_workers"] is not None:
+            setup = figures["bytes_setup"]
+            figures["bytes_total_all_workers"] = None if setup is None else figures["bytes_total_all_workers"] - (count - 1) * setup
         arms[arm] = {"run_id": str(row["run_id"])} | figures
     control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
     ratio = compressed / control if control and compressed is not None else None

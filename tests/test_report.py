@@ -58,6 +58,7 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
             )
         dense_bytes = 0.0 if arm == "control" else 40_000.0 * cfg.powersgd.dense_updates
         compressed_bytes = 0.0 if arm == "control" else 5_000.0 * (cfg.train.updates - cfg.powersgd.dense_updates)
+        setup_bytes = 0.0 if arm == "control" else 30_000.0
         rec.log_metrics(
             {
                 schema.M_ACTIVE_SECONDS: active,
@@ -66,7 +67,8 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                 schema.M_DEVICE_SECONDS: devices * complete,
                 schema.M_BYTES_DENSE: dense_bytes,
                 schema.M_BYTES_COMPRESSED: compressed_bytes,
-                schema.M_BYTES_TOTAL: dense_bytes + compressed_bytes,
+                schema.M_BYTES_TOTAL: dense_bytes + compressed_bytes + setup_bytes,
+                schema.M_BYTES_SETUP: setup_bytes,
                 schema.M_PEAK_RSS_MB: 800.0,
                 schema.M_COST_USD: 0.0,
             }
@@ -252,7 +254,9 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert "device-seconds" in md and "bytes sent per worker (rank 0), dense phase" in md
     # Bytes as what they are: one worker's, and all workers' beside.
     compressed = report["resources"]["arms"]["compressed"]
-    assert compressed["bytes_total_all_workers"] == 2 * compressed["bytes_total"] and compressed["workers"] == 2
+    setup = compressed["bytes_setup"]
+    assert setup > 0 and compressed["bytes_total_all_workers"] == 2 * (compressed["bytes_total"] - setup) + setup
+    assert compressed["workers"] == 2
     assert "bytes sent, all workers, total" in md and "rank 0's collective payload" in md
     # Each source, the counts and the overlap check are stated.
     assert report["inputs"]["split"] == MANIFEST["split"] and report["inputs"]["sha256"] == INPUTS

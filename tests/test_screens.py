@@ -180,7 +180,7 @@ def _train(control: tuple[float, float], compressed: tuple[float, float]) -> pd.
     for arm, (active, complete), devices in (("control", control, 1), ("compressed", compressed, 2)):
         rows.append({"arm": arm, "run_id": f"run-{arm}", "active_seconds": active, "complete_seconds": complete,
                      "device_seconds": devices * complete, "checkpoint_seconds": 1.5, "bytes_dense": 0.0 if devices == 1 else 4e6,
-                     "bytes_compressed": 0.0 if devices == 1 else 1e6, "bytes_total": 0.0 if devices == 1 else 5e6,
+                     "bytes_compressed": 0.0 if devices == 1 else 1e6, "bytes_total": 0.0 if devices == 1 else 5e6, "bytes_setup": 0.0 if devices == 1 else 2e5,
                      "cost_usd": 0.25 * devices, "peak_rss_mb": 900.0, })
     return pd.DataFrame(rows)
 
@@ -313,6 +313,9 @@ def test_bytes_are_per_worker_with_all_workers_beside():
     res = sc.resources(_train((120.0, 130.0), (100.0, 125.0)), {"control": 1, "compressed": 2})
     compressed = res["arms"]["compressed"]
     assert compressed["bytes_dense"] == 4e6 and compressed["bytes_dense_all_workers"] == 8e6
-    assert compressed["bytes_total_all_workers"] == 1e7 and compressed["workers"] == 2
+    # The setup broadcast is sent by rank 0 alone: once in the total, not once per worker.
+    assert compressed["bytes_total_all_workers"] == 2 * (5e6 - 2e5) + 2e5 and compressed["workers"] == 2
     assert res["arms"]["control"]["bytes_total_all_workers"] == 0.0
+    assert sc.resources(_train((1.0, 1.0), (1.0, 1.0)).drop(columns="bytes_setup").assign(bytes_setup=float("nan")),
+                        {"control": 1, "compressed": 2})["arms"]["compressed"]["bytes_total_all_workers"] is None  # fmt: skip
     assert sc.resources(_train((1.0, 1.0), (1.0, 1.0)))["arms"]["compressed"]["bytes_total_all_workers"] is None

@@ -138,6 +138,10 @@ def test_run_level_timing_memory_bytes_and_cost(both):
     assert control[schema.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], schema.M_BYTES)) == {0.0}
     assert compressed[schema.M_BYTES_DENSE] > 0 and compressed[schema.M_BYTES_COMPRESSED] > 0
     assert compressed[schema.M_BYTES_TOTAL] > compressed[schema.M_BYTES_DENSE] + compressed[schema.M_BYTES_COMPRESSED]
+    # The setup broadcast is the fp32 parameters (a dense update's gradient payload) and the buffers, in the total.
+    setup, dense_updates = compressed[schema.M_BYTES_SETUP], int(arms["compressed"].data.params["powersgd.dense_updates"])
+    assert control[schema.M_BYTES_SETUP] == 0 and setup == pytest.approx(compressed[schema.M_BYTES_DENSE] / dense_updates, rel=0.05)
+    assert setup < compressed[schema.M_BYTES_TOTAL] - compressed[schema.M_BYTES_DENSE] - compressed[schema.M_BYTES_COMPRESSED]
     # Compressed updates send less than dense ones.
     sent = _history(arms["compressed"], schema.M_BYTES)
     assert max(sent[2:]) < min(sent[:2])

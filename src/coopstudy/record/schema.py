@@ -320,6 +320,9 @@ PowerSGD-compressed updates, bytes; 0 in the control."""
 M_BYTES_TOTAL = "bytes/total"
 """On train arm and probe candidate runs: rank 0's whole collective payload (dense +
 compressed + scalar sums + DDP's setup broadcast), bytes."""
+M_BYTES_SETUP = "bytes/setup"
+"""On train arm and probe candidate runs: DDP's one broadcast of parameters and buffers when it is built,
+bytes, a part of bytes/total; rank 0 sends it and the other ranks only receive it; 0 in the control."""
 M_PEAK_RSS_MB = "memory/peak_rss_mb"
 """On train arm and probe candidate runs: the largest peak resident set (VmHWM) over ranks, MiB."""
 M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"

@@ -289,6 +289,7 @@ def _record_run(rec: writer.Recorder, summary: dict, counter: distributed.ByteCo
         schema.M_BYTES_DENSE: totals.dense if totals else 0,
         schema.M_BYTES_COMPRESSED: totals.compressed if totals else 0,
         schema.M_BYTES_TOTAL: totals.total if totals else 0,
+        schema.M_BYTES_SETUP: totals.setup if totals else 0,
     }
     if cuda:
         metrics[schema.M_CUDA_MAX_ALLOCATED_MB] = max(m["cuda_max_allocated_mb"] for m in memory)
