@@ -294,6 +294,8 @@ def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
         assert run.data.tags[schema.TAG_PLAN] == PLAN
         m = run.data.metrics
         assert set(m) >= {schema.M_ACCURACY, schema.M_RETENTION_NLL, *(schema.M_ACCURACY_PREFIX + f for f in families)}
+        # One value each: the logged model's metrics are the run's, not a second point beside them.
+        assert all(len(store.client().get_metric_history(run.info.run_id, k)) == 1 for k in m), name
         cases = _table(run, schema.ART_TEST_TABLE)
         assert [c["case_id"] for c in cases] == [c["case_id"] for c in prepared_test]
         assert all(c["correct"] == (c["score"] == 1.0) for c in cases)

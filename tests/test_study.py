@@ -247,6 +247,7 @@ def test_the_record_is_native_in_mlflow(first, copy):
     for m in models:
         linked = {x.key: x for x in m.metrics}
         assert schema.M_ACCURACY in linked and linked[schema.M_ACCURACY].dataset_name == "test.jsonl"
+        assert linked[schema.M_RETENTION_NLL].dataset_name == "retention.jsonl"
         # What the README's schema says a logged model carries.
         run = scored_by[m.source_run_id]
         assert (m.model_type, m.tags[schema.TAG_MODEL], run.data.tags[schema.TAG_MODEL]) == (schema.MODEL_TYPE_CHECKPOINT, m.name, m.name)

@@ -105,7 +105,8 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     monkeypatch.setattr(outbox, "apply", lambda client, run_id, record: (sent.append(record), deliver(client, run_id, record)))
     with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
         rec.log_table([{"case_id": "a", "score": 1.0}, {"case_id": "b", "score": 0.5}], schema.ART_TEST_TABLE)
-        rec.log_model("control", {schema.M_ACCURACY: 0.5}, ("test.jsonl", "ab" * 32), params={schema.MODEL_PARAM_WEIGHTS_SHA: "cd" * 32}, tags={})
+        rec.log_model("control", {schema.M_ACCURACY: 0.5, schema.M_EVAL_THREADS: 1.0}, {schema.M_ACCURACY: ("test.jsonl", "ab" * 32)},
+                      params={schema.MODEL_PARAM_WEIGHTS_SHA: "cd" * 32}, tags={})  # fmt: skip
         rec.log_inputs({"test.jsonl": ("ab" * 32, "/x/test.jsonl")}, context="evaluation")
         # Delivered again (an outbox replayed after an outage): nothing doubles.
         client = mlflow.MlflowClient()
@@ -120,8 +121,10 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["test.jsonl"]
     (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
     assert model.name == "control" and model.params[schema.MODEL_PARAM_WEIGHTS_SHA] == "cd" * 32
-    (metric,) = model.metrics
-    assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36])
+    linked = {(m.key, m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
+    assert linked == {(schema.M_ACCURACY, 0.5, "test.jsonl", ("ab" * 32)[:36]), (schema.M_EVAL_THREADS, 1.0, None, None)}
+    # A model's metrics are its run's: once each there, replayed or not.
+    assert [len(client.get_metric_history(rec.run_id, k)) for k in (schema.M_ACCURACY, schema.M_EVAL_THREADS)] == [1, 1]
 
 
 def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():

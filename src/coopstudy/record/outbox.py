@@ -258,11 +258,11 @@ def _apply_model(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
     if not found:
         client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, 0)])
-    name, digest = record["dataset"]
-    client.log_batch(
-        run_id,
-        metrics=[Metric(k, v, ts, step, model_id=model.model_id, dataset_name=name, dataset_digest=digest) for k, v, ts, step in record["metrics"]],
-    )
+    metrics = []
+    for k, v, ts, step in record["metrics"]:
+        name, digest = record["datasets"].get(k, (None, None))
+        metrics.append(Metric(k, v, ts, step, model_id=model.model_id, dataset_name=name, dataset_digest=digest))
+    client.log_batch(run_id, metrics=metrics)
 
 
 def describe(records: list[dict[str, Any]]) -> str:

@@ -355,7 +355,8 @@ TAG_MODEL = "coopstudy.model"
 """On an evaluate child run, and on the logged model it logs: the model it scored, seed, control or compressed."""
 MODEL_TYPE_CHECKPOINT = "checkpoint"
 """The type of the logged model (the *Models* tab) each evaluate child run logs, named seed, control or compressed:
-its params are the MODEL_PARAM_* below, its tag `coopstudy.model`, its metrics the run's `eval/*`, linked to the final test."""
+its params are the MODEL_PARAM_* below, its tag `coopstudy.model`, its metrics the run's `eval/*` (one value each), each
+linked to the file it was measured on: `eval/retention_nll` to retention.jsonl, `eval/threads` to none, the rest to test.jsonl."""
 MODEL_PARAM_WEIGHTS = "weights"
 """On a logged model: the folder of the weights it scored."""
 MODEL_PARAM_WEIGHTS_SHA = "weights_sha256"

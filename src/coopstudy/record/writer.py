@@ -102,17 +102,20 @@ class Recorder:
         self._outbox.send({"op": "inputs", "datasets": datasets})
 
     def log_model(
-        self, name: str, metrics: Mapping[str, float], dataset: tuple[str, str], *, params: Mapping[str, str], tags: Mapping[str, str]
+        self, name: str, metrics: Mapping[str, float], measured_on: Mapping[str, tuple[str, str]], *,
+        params: Mapping[str, str], tags: Mapping[str, str],
     ) -> None:
         """An MLflow logged model of this run (the Models view compares them), with
-        `metrics` linked to it and to `dataset` (name, sha256 of the file)."""
+        `metrics` linked to it, each to the dataset `measured_on` names for it
+        (name, sha256 of the file), if any. MLflow logs a model's metrics on the
+        run too: they are the run's metrics, not to be logged again beside."""
         now = int(time.time() * 1000)
         self._outbox.send(
             {
                 "op": "model", "name": name, "model_type": schema.MODEL_TYPE_CHECKPOINT,
                 "params": {k: str(v) for k, v in params.items()}, "tags": {k: str(v) for k, v in tags.items()},
                 "metrics": [[k, float(v), now, 0] for k, v in metrics.items()],
-                "dataset": [dataset[0], dataset_digest(dataset[1])],
+                "datasets": {k: [file, dataset_digest(sha)] for k, (file, sha) in measured_on.items()},
             }
         )  # fmt: skip
 

@@ -75,10 +75,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             ) as child:
                 scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
                 child.log_inputs(read, context="evaluation")
-                child.log_metrics(scored.metrics)
-                # The Models view compares the three on the final test.
+                # The Models view compares the three, each figure on the file it was measured on.
                 child.log_model(
-                    name, scored.metrics, (data.TEST, files[data.TEST]["sha256"]),
+                    name, scored.metrics, _measured_on(scored.metrics, files),
                     params={schema.MODEL_PARAM_WEIGHTS_SHA: sha, schema.MODEL_PARAM_WEIGHTS: str(path)}, tags={schema.TAG_MODEL: name},
                 )
                 child.log_table(scored.cases, schema.ART_TEST_TABLE)
@@ -94,6 +93,13 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             gc.collect()
     _print_table(cfg, results, rec.run_id)
     return 0
+
+
+def _measured_on(metrics: dict[str, float], files: dict[str, dict]) -> dict[str, tuple[str, str]]:
+    """The prepared file each evaluation figure was measured on; the thread count has none."""
+    on = {schema.M_RETENTION_NLL: data.RETENTION, schema.M_EVAL_THREADS: None}
+    named = {k: on.get(k, data.TEST) for k in metrics}
+    return {k: (f, files[f]["sha256"]) for k, f in named.items() if f is not None}
 
 
 def _print_table(cfg: Config, results: dict[str, dict[str, float]], run_id: str) -> None:
