@@ -281,7 +281,8 @@ M_OPTIMIZER_SECONDS = "train/optimizer_seconds"
 taking their norm, clipping, and the AdamW and schedule steps."""
 M_OTHER_SECONDS = "train/other_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's remaining update seconds
-(packing the microbatches, reading the loss, the loss and token sums across ranks)."""
+(packing the microbatches, reading the loss, the loss and token sums across ranks, freeing the update's
+tensors), so that the parts add up to train/update_seconds."""
 M_SYSTEM_SECONDS = "train/system_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: CPU seconds the operating system spent
 on rank 0's process (all its threads) during the update, across its parts rather than beside them; on

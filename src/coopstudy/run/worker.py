@@ -163,6 +163,10 @@ def train(
                     # optimizer step in stream order), so the clock stops when the
                     # device has finished the update, not when its kernels were queued.
                     last_end = time.perf_counter()
+                    # `other` is what the other parts do not hold, so the parts add up to the
+                    # update's seconds: the call itself and the freeing of its tensors included.
+                    t = result.times
+                    t = dataclasses.replace(t, other=(last_end - start) - (t.forward_backward + t.communication + t.optimizer))
                     # Memory the process touched for the first time: its allocator keeps
                     # what it frees (launch.set_malloc), so the peak grows only by new pages.
                     new_memory.append(capacity.peak_rss_mb() - peak_before)
@@ -171,11 +175,10 @@ def train(
                     if probing is not None:
                         probing.updated(last_end - start)
                     phases.append(result.comm.phase if result.comm else None)
-                    times.append(result.times)
+                    times.append(t)
                     computed += result.computed_tokens
                     local_tokens += result.local_tokens
                     if rec is not None:
-                        t = result.times
                         metrics = {
                             schema.M_LOSS: result.loss,
                             schema.M_GRAD_NORM: result.grad_norm,
