@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import mlflow
+import yaml
 import pytest
 from fixtures import run_cli
 
@@ -50,6 +51,9 @@ def test_stage_run_records_config_and_tags():
     assert run.data.tags[schema.TAG_STAGE] == "prepare"
     assert run.data.tags[schema.TAG_PRESET] == "tiny"
     assert run.data.params == {k: v for k, v in config.flatten(cfg).items() if k not in writer.NOT_PARAMS}
+    # Every key of the config is a param, an empty mapping too; values as config.yaml writes them.
+    assert (run.data.params["data.family_options"], run.data.params["train.lr"]) == ("{}", yaml.safe_dump(cfg.train.lr).split("\n")[0])
+    assert config.flatten(config.load("tiny", ["data.family_options={gcd: {min_value: 5}}"]))["data.family_options.gcd.min_value"] == "5"
     assert run.data.tags[schema.TAG_CONFIG_SHA] == store.config_sha256(cfg)
 
 

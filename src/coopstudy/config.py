@@ -415,11 +415,12 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
 
 
 def flatten(config: Config) -> dict[str, str]:
-    """Dotted keys to strings, the form MLflow params take."""
+    """Dotted keys to strings, the form MLflow params take: each value as
+    config.yaml writes it; an empty mapping is `{}`, not left out."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             for k, v in value.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)
         else:

@@ -24,7 +24,9 @@ TAG_ARM = "coopstudy.arm"
 TAG_GIT_COMMIT = "coopstudy.git_commit"
 """On every run: the checkout's `git rev-parse HEAD`; absent outside a git checkout."""
 TAG_CONFIG_SHA = "coopstudy.config_sha256"
-"""On every run opened with a config: sha256 of the resolved config's YAML (the text of config.yaml)."""
+"""On every run opened with a config: sha256 of the resolved config's YAML (the text of config.yaml). A probe
+candidate run's config holds that candidate's settings, so its sha is not the study's: find a study's probe
+candidates by their probe run (mlflow.parentRunId)."""
 TAG_PLAN = "coopstudy.plan_sha256"
 """On the plan run and the runs after it (train, select, evaluate; report when the runs it reads
 carry one): sha256 of the committed plan."""
@@ -501,7 +503,8 @@ def _intro() -> str:
         "Every name below is a constant in `src/coopstudy/record/schema.py`, which analysis imports, and its "
         "meaning is that constant's docstring (`python -m coopstudy.record.schema` prints this section). "
         f"Every run carries `{TAG_STAGE}`, `{TAG_PRESET}`, `{TAG_CONFIG_SHA}`, the git commit (`{TAG_GIT_COMMIT}`), "
-        f"the whole resolved config as params (dotted keys, e.g. `train.lr`) and `{ART_CONFIG}`; "
+        f"the whole resolved config as params (dotted keys, e.g. `train.lr`; each value as `{ART_CONFIG}` writes it, "
+        f"so `--set train.lr=2e-4` is the param `0.0002`; `preset` is the tag alone) and `{ART_CONFIG}`; "
         f"runs from the plan on also carry `{TAG_PLAN}`. "
         "Query the record with MLflow's search API, e.g. "
         f"``mlflow.search_runs(experiment_names=[\"coopstudy\"], filter_string=\"tags.`{TAG_STAGE}` = '{STAGE_TRAIN}' "
