@@ -343,7 +343,7 @@ TAG_CHECKPOINT_PATH = "coopstudy.checkpoint_path"
 ART_CHECKPOINT = "checkpoint"
 """On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"
-"""On train arm and probe candidate runs: rank 0's summary (setting, host, device, malloc,
+"""On train arm and probe candidate runs that finished their updates: rank 0's summary (setting, host, device, malloc,
 phases, assignment, memory by rank, every rank's per-update times and new memory, bytes, checkpoint)."""
 TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
 """+ rank, on train arm and probe candidate runs: `<type>: <first line>` of the error that training
@@ -400,7 +400,8 @@ TAG_VERDICT_PREFIX = "coopstudy.verdict."
 """+ quality, speed or a screen's name, on the report run: pass or fail."""
 M_SCREEN_PREFIX = "screen/"
 """+ screen name (accuracy_gain, retention, noninferiority, active_speedup, complete_speedup) + /estimate,
-/bound (the limit the verdict used, if any) or /passed (1 or 0), on the report run."""
+/bound (the limit the verdict used, if any) or /passed (1 or 0), on the report run. Units: accuracy differences
+as fractions (0.05 is the report's +5.0 pts), retention in nats per token, speedups as ratios."""
 
 
 # The README's schema section, built from this file's own source: the
