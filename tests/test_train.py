@@ -7,6 +7,7 @@ prerequisites train checks), then every test reads the runs it made.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -276,3 +277,33 @@ def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(
         signal.signal(signal.SIGTERM, before)
     said = client.get_run(run.info.run_id).data.tags.get(f"{schema.TAG_WORKER_ERROR_PREFIX}0", "")
     assert said.startswith("RuntimeError: Connection closed by peer"), said
+
+
+def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_traceback(monkeypatch, capsys):
+    # A SIGTERM inside the SQL store's session comes out as MlflowException raised from it.
+    from mlflow.exceptions import MlflowException
+
+    client = store.client()
+    run = client.create_run(client.create_experiment("stop-in-write"))
+
+    def stopped_while_writing(*args, **kwargs):
+        try:
+            worker._on_sigterm(signal.SIGTERM, None)
+        except worker.Stopped as err:
+            raise MlflowException(str(err)) from err
+
+    monkeypatch.setattr(worker, "train", stopped_while_writing)
+    before = signal.getsignal(signal.SIGTERM)
+    args = argparse.Namespace(
+        run_id=run.info.run_id, arm="control", config=launch.encode_config(config.load("tiny")), allocator=worker.TRAINING_ALLOCATOR,
+        updates=None, no_checkpoint=False, probe=False, capacity_mb=None,
+    )  # fmt: skip
+    try:
+        code = worker.main(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 128 + signal.SIGTERM
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("coopstudy worker (control, rank 0): stopped by SIGTERM"), line
+    said = client.get_run(run.info.run_id).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
+    assert said.startswith("Stopped: stopped by SIGTERM"), said

@@ -372,26 +372,39 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     rank = int(os.environ.get("RANK", "0"))
     probing = capacity.RankProbe(args.run_id, rank, args.capacity_mb) if args.probe else None
+    # The worker of train, probe and bench arms alike: named by its arm.
+    who = f"coopstudy worker ({args.arm}, rank {rank})"
     try:
         cfg = launch.decode_config(args.config)
         train(cfg, args.arm, args.run_id, updates=args.updates, save=not args.no_checkpoint, probing=probing)
-    except (UserError, Stopped) as err:
-        # Known causes need no traceback: one line, and the record.
+    except BaseException as raised:
+        err = _known_cause(raised) or raised
         _record_error(args.run_id, rank, err)
         _report(probing, err)
-        print(f"coopstudy train (rank {rank}): {err}", file=sys.stderr)
-        return 2 if isinstance(err, UserError) else 128 + signal.SIGTERM
-    except BaseException as err:
-        _record_error(args.run_id, rank, err)
-        _report(probing, err)
+        if isinstance(err, (UserError, Stopped)):
+            # Known causes need no traceback: one line, and the record.
+            print(f"{who}: {err}", file=sys.stderr)
+            return 2 if isinstance(err, UserError) else 128 + signal.SIGTERM
         if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
             # What a probe is for: one line here, the traceback on the run.
-            print(f"coopstudy train (rank {rank}): {err}", file=sys.stderr)
+            print(f"{who}: {err}", file=sys.stderr)
             return 1
         raise
     if probing is not None:
         probing.finish(None)
     return 0
+
+
+def _known_cause(err: BaseException) -> UserError | Stopped | None:
+    """A stop or a user's mistake behind `err`: a SIGTERM that lands inside
+    MLflow's write of the record comes out as MLflow's exception raised from
+    it. Only causes: an error raised while handling another is its own."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (UserError, Stopped)):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _report(probing: capacity.RankProbe | None, err: BaseException) -> None:
