@@ -842,6 +842,23 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", _hostfile(tmp, "# one\nhost-a slots=1\n")),
         "names 1 host(s); the compressed arm needs 2",
     ),
+    "hostfile: three hosts for two ranks": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", _hostfile(tmp, "a slots=1\nb slots=1\nc slots=1\n")),
+        "names 3 host(s); the compressed arm needs 2, one rank each",
+    ),
+    "hostfile: the control arm": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "control", "--hostfile", _hostfile(tmp, "a slots=1\nb slots=1\n")),
+        "--hostfile: only the compressed arm runs on several hosts (got --arm control)",
+    ),
+    # No passwordless ssh to this machine here (and no pdsh): DeepSpeed would say it in a traceback, once started.
+    "hostfile: a host ssh cannot reach": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", _hostfile(tmp, "localhost slots=1\n127.0.0.1 slots=1\n")),
+        "host localhost does not answer passwordless ssh (",
+    ),
+    "--nodes 1 with node options": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29600"),
+        "--node-rank, --master-addr, --master-port start one node of a job on several hosts; --nodes 1 is a job on this host alone",
+    ),
     "hostfile: missing": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(tmp / "nope")), "no such file"),
     "hostfile: a folder": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(_a_folder(tmp, "hosts"))), "/hosts: a folder, not a file"),
     "probe's hostfile: a line that is no host": (

@@ -438,9 +438,35 @@ def check_hostfile(path: Path, needed: int) -> list[str]:
         if m.group(1) in hosts:
             raise UserError(f"--hostfile {path} line {n}: host {m.group(1)} is listed twice")
         hosts.append(m.group(1))
-    if len(hosts) < needed:
+    if len(hosts) != needed:
         raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, one rank each")
     return hosts
+
+
+SSH_TIMEOUT_S = 10
+"""How long `check_reachable` waits for a host to accept ssh."""
+
+
+def check_reachable(path: Path, hosts: list[str]) -> None:
+    """Refuse hosts DeepSpeed could not start a rank on, before any run opens:
+    it reaches them with pdsh over passwordless ssh, and says it with a
+    traceback after the stage has started."""
+    for host in hosts:
+        try:
+            done = subprocess.run(
+                ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", host, "true"],
+                capture_output=True, text=True, timeout=3 * SSH_TIMEOUT_S, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except FileNotFoundError:
+            raise UserError(f"--hostfile {path}: DeepSpeed reaches its hosts over ssh, and there is no ssh here") from None
+        except subprocess.TimeoutExpired:
+            raise UserError(f"--hostfile {path}: host {host} did not answer ssh within {3 * SSH_TIMEOUT_S} s") from None
+        if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise UserError(f"--hostfile {path}: host {host} does not answer passwordless ssh ({why}); DeepSpeed starts a rank there over ssh")
+    if shutil.which("pdsh") is None:
+        raise UserError(f"--hostfile {path}: DeepSpeed starts the ranks with pdsh, which is not installed here (Debian: apt-get install pdsh)")
+
 
 
 def node_hostfile(nodes: int, per_node: int) -> Path:

@@ -193,7 +193,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     candidates = _candidates(cfg)
     arms = tuple(sorted({c.arm for c, _ in candidates}))
     if args.hostfile is not None and "compressed" in arms:
-        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+        launch.check_reachable(args.hostfile, launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers))
     console = ui.console(140)
     devices = launch.devices_of(cfg, arms, args.hostfile)
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:

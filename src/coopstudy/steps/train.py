@@ -119,7 +119,8 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     count = getattr(args, "nodes", None)
     if count is None or count == 1:
         if given:
-            raise UserError(f"{', '.join(given)} start one node of a job on several hosts; give --nodes too")
+            nodes = "give --nodes too" if count is None else "--nodes 1 is a job on this host alone, which takes none of them"
+            raise UserError(f"{', '.join(given)} start one node of a job on several hosts; {nodes}")
         return None
     workers = cfg.arms.compressed.workers
     if args.arm != "compressed":
@@ -199,7 +200,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     arms = ARMS if args.arm == "both" else (args.arm,)
     nodes = _nodes(cfg, args)
     if args.hostfile is not None and nodes is None:
-        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+        if "compressed" not in arms:
+            raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
+        launch.check_reachable(args.hostfile, launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers))
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
     holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset_argument}"
     # A SIGTERM or SIGHUP anywhere in the stage ends it as Ctrl-C does: the
