@@ -174,6 +174,19 @@ def test_credentials_in_the_remote_file_are_refused(server, tmp_path):
     assert "MLFLOW_TRACKING_USERNAME" in lines[0] and "s3cret" not in done.stderr + done.stdout
 
 
+def test_remote_check_checks_the_experiment_a_step_would_write_to(server, tmp_path):
+    remote_file = tmp_path / "mlruns_remote.txt"
+    remote_file.write_text(server.uri + "\n")
+    env = _remote_env(remote_file, tmp_path / "home", MLFLOW_EXPERIMENT_NAME="checked-by-name")
+    done = _coopstudy("remote", "check", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tracking server {server.uri} answers; experiment 'checked-by-name' (id " in done.stdout
+    # A name no step would take is refused before the server is touched.
+    bad = _coopstudy("remote", "check", "--experiment", " x ", env=env)
+    assert (bad.returncode, bad.stderr.strip()) == (2, "coopstudy remote: error: --experiment ' x ': a name with spaces at its ends")
+    assert server.client().get_experiment_by_name(" x ") is None and server.client().get_experiment_by_name("x") is None
+
+
 def test_a_deleted_experiment_is_refused_before_any_work(server, tmp_path):
     client = server.client()
     retired = client.create_experiment("retired")

@@ -260,13 +260,7 @@ class Config(_Section):
     @field_validator("preset", "experiment")
     @classmethod
     def _a_name(cls, value: str) -> str:
-        # MLflow strips an experiment's name: with spaces at its ends, a step
-        # would record into another experiment than the one named.
-        if not value.strip():
-            raise ValueError("an empty name")
-        if value != value.strip():
-            raise ValueError("a name with spaces at its ends")
-        return value
+        return check_name(value)
 
     @model_validator(mode="after")
     def _check_arms(self) -> "Config":
@@ -412,6 +406,17 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if path.resolve().parent != (workspace.project_root() / PRESET_DIR).resolve():
         _PRESET_FILES[cfg.preset] = str(path)
     return cfg
+
+
+def check_name(value: str) -> str:
+    """A preset's or experiment's name; ValueError saying what is wrong with it."""
+    # MLflow strips an experiment's name: with spaces at its ends, a step
+    # would record into another experiment than the one named.
+    if not value.strip():
+        raise ValueError("an empty name")
+    if value != value.strip():
+        raise ValueError("a name with spaces at its ends")
+    return value
 
 
 def flatten(config: Config) -> dict[str, str]:

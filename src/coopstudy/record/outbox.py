@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from coopstudy import config as config_mod
 from coopstudy import errors, workspace
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store
@@ -500,12 +501,27 @@ with the command that delivers it.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("deliver", help="send records kept during an outage (<home>/outbox/*.jsonl) to the server")
+    d = sub.add_parser(
+        "deliver", help="send records kept during an outage (<home>/outbox/*.jsonl) to the server",
+        description=(
+            "Send the records a step kept while the tracking server did not answer (<home>/outbox/RUN_ID.jsonl) to "
+            "the server they were written for (or --tracking-uri), in order, the runs' ends included. A record "
+            "delivered before is not doubled. Exit 2 when the server still does not answer; what waits stays."
+        ),
+    )  # fmt: skip
     d.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="only these runs' outboxes (default: all)")
     d.add_argument("--tracking-uri", default=None, help="deliver here instead of the server the records were written for")
-    c = sub.add_parser("check", help="the preflight alone: does the tracking server answer and take writes?")
-    c.add_argument("--experiment", default=store.DEFAULT_EXPERIMENT,
-                   help=f"the experiment that must take writes (default: {store.DEFAULT_EXPERIMENT})")  # fmt: skip
+    c = sub.add_parser(
+        "check", help="the preflight alone: does the tracking server answer and take writes?",
+        description=(
+            "What every step checks before any work, alone: the tracking server (MLFLOW_TRACKING_URI, or the "
+            "project's mlruns_remote.txt) answers, the experiment exists or can be made, keeps its artifacts on the "
+            "server, and takes a write (a tag naming this host). One line; exit 2 with what to do when not."
+        ),
+    )  # fmt: skip
+    c.add_argument("--experiment", default=None,
+                   help=("the experiment that must take writes, created if missing as a step would (default: the one a step "
+                         f"would write to: MLFLOW_EXPERIMENT_NAME, or {store.DEFAULT_EXPERIMENT})"))  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -514,8 +530,13 @@ def main(args: argparse.Namespace) -> int:
         if not store.is_http(uri):
             print(f"tracking URI {uri} is not a server; nothing to check")
             return 0
-        exp_id = preflight(uri, args.experiment)
-        print(f"tracking server {uri} answers; experiment {args.experiment!r} (id {exp_id}) takes writes")
+        experiment = args.experiment if args.experiment is not None else store.chosen_experiment() or store.DEFAULT_EXPERIMENT
+        try:
+            config_mod.check_name(experiment)
+        except ValueError as err:
+            raise UserError(f"--experiment {experiment!r}: {err}") from None
+        exp_id = preflight(uri, experiment)
+        print(f"tracking server {uri} answers; experiment {experiment!r} (id {exp_id}) takes writes")
         return 0
     store.use_http_defaults()
     done = deliver_all(args.run_ids, args.tracking_uri)
