@@ -70,6 +70,7 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
     "args, message",
     [
         (("--lrs", "0"), "--lrs: each learning rate must be a positive number"),
+        (("--lrs", "1e-3", "0.001"), "--lrs: 0.001 listed twice"),
         (("--updates", "99"), "--updates: between 1 and train.updates (6), not 99"),
         # Refused by the flag's name before the seed is loaded.
         (("--families", "gcd", "gcdd"), "--families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),

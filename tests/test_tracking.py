@@ -57,6 +57,16 @@ def test_stage_run_records_config_and_tags():
     assert run.data.tags[schema.TAG_CONFIG_SHA] == store.config_sha256(cfg)
 
 
+def test_a_stage_stopped_by_ctrl_c_is_killed_and_says_so():
+    # Ctrl-C's KeyboardInterrupt says nothing; the record says what happened, as train's does.
+    with pytest.raises(KeyboardInterrupt):
+        with writer.stage_run(schema.STAGE_DEV_SPLIT, config.load("tiny")) as rec:
+            raise KeyboardInterrupt
+    run = mlflow.MlflowClient().get_run(rec.run_id)
+    assert run.info.status == "KILLED"
+    assert (run.data.tags[schema.TAG_ERROR], run.data.tags[schema.TAG_ERROR_KIND]) == ("interrupted (SIGINT)", "KeyboardInterrupt")
+
+
 def test_failed_stage_is_kept_with_its_error():
     cfg = config.load("tiny")
     with pytest.raises(UserError):

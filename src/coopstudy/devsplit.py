@@ -140,6 +140,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     lrs = args.lrs or [cfg.train.lr * f for f in (0.5, 1.0, 2.0, 4.0)]
     if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
         raise UserError("--lrs: each learning rate must be a positive number")
+    twice = sorted({lr for i, lr in enumerate(lrs) if lr in lrs[:i]})
+    if twice:
+        # The table and the record key each rate by its value: a second training would overwrite the first.
+        raise UserError(f"--lrs: {', '.join(f'{lr:g}' for lr in twice)} listed twice")
     if args.dev_seed < 0:
         raise UserError(f"--dev-seed: {args.dev_seed} is negative (reasoning-gym would take its absolute value)")
     if args.families:

@@ -18,6 +18,8 @@ from coopstudy import config as config_mod
 from coopstudy.errors import UserError
 from coopstudy.record import outbox, schema, store
 
+INTERRUPTED = "interrupted (SIGINT)"
+"""The error on record of a step stopped by Ctrl-C."""
 NOT_PARAMS = ("preset",)
 """Config keys not logged as params. The preset is the tag schema.TAG_PRESET;
 `mlflow run -P preset=<file>` logs its entry point's own param `preset` as
@@ -320,8 +322,10 @@ def _end(rec: Recorder, status: str) -> bool:
 
 
 def _record_failure(rec: Recorder, err: BaseException) -> None:
+    # Ctrl-C raises a KeyboardInterrupt that says nothing: said as the stages that launch processes say it.
+    why = str(err) or (INTERRUPTED if isinstance(err, KeyboardInterrupt) else type(err).__name__)
     try:
-        rec.set_tags({schema.TAG_ERROR: str(err)[:MAX_TAG_CHARS] or type(err).__name__, schema.TAG_ERROR_KIND: type(err).__name__})
+        rec.set_tags({schema.TAG_ERROR: why[:MAX_TAG_CHARS], schema.TAG_ERROR_KIND: type(err).__name__})
         rec.log_text("".join(traceback.format_exception(err)), schema.ART_ERROR)
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
         pass

@@ -400,7 +400,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
             # Interrupted or stopped ourselves: no rank may outlive the stage.
             _stop(proc)
             if type(err) is KeyboardInterrupt:
-                raise Interrupted("interrupted (SIGINT); every process it launched was stopped") from None
+                raise Interrupted(f"{writer.INTERRUPTED}; every process it launched was stopped") from None
             raise
         finally:
             if held is not None and proc.poll() is not None:
