@@ -21,7 +21,7 @@ from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, study, workspace
 from coopstudy.errors import RefusedError
-from coopstudy.record import schema, store, writer
+from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import launch, lock, worker
 
 pytestmark = pytest.mark.slow
@@ -307,3 +307,38 @@ def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_tracebac
     assert line.startswith("coopstudy worker (control, rank 0): stopped by SIGTERM"), line
     said = client.get_run(run.info.run_id).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
     assert said.startswith("Stopped: stopped by SIGTERM"), said
+
+
+def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
+    # Before training a rank reads the record (the ledger's runs): MLflow raises its own error then.
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    def no_server(*args, **kwargs):
+        try:
+            raise requests.exceptions.ConnectionError("HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded (Connection refused)")
+        except requests.exceptions.ConnectionError:
+            raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/search failed") from None
+
+    client = store.client()
+    run = client.create_run(client.create_experiment("outage-at-start"))
+    monkeypatch.setattr(worker, "train", no_server)
+    before = signal.getsignal(signal.SIGTERM)
+    args = argparse.Namespace(
+        run_id=run.info.run_id, arm="compressed", config=launch.encode_config(config.load("tiny")), allocator=worker.TRAINING_ALLOCATOR,
+        updates=None, no_checkpoint=False, probe=False, capacity_mb=None,
+    )  # fmt: skip
+    try:
+        code = worker.main(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == ["coopstudy worker (compressed, rank 0): the tracking server stopped answering (connection refused)"]
+    # A stage's error that wraps it is said the same way.
+    try:
+        try:
+            no_server()
+        except MlflowException as err:
+            raise RefusedError("compressed arm failed") from err
+    except RefusedError as wrapped:
+        assert outbox.reason(wrapped) == "connection refused"

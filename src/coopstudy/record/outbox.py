@@ -77,20 +77,24 @@ def is_outage(err: BaseException) -> bool:
 
 
 def reason(err: BaseException) -> str:
-    """The innermost error in a few words (MLflow's own message repeats the whole URL chain)."""
-    text = str(err)
-    for marker, words in (
-        ("Connection refused", "connection refused"),
-        ("Name or service not known", "unknown host"),
-        ("nodename nor servname", "unknown host"),
-        ("timed out", "timed out"),
-        ("Read timed out", "timed out"),
-        ("too many 5", "the server kept answering with errors"),
-        ("Max retries exceeded", "no connection"),
-    ):
-        if marker in text:
-            return words
-    return type(err).__name__
+    """The error in a few words (MLflow's own message repeats the whole URL chain),
+    read down its chain: a stage's error may wrap what its process saw."""
+    seen: BaseException | None = err
+    while seen is not None:
+        text, last = str(seen), seen
+        for marker, words in (
+            ("Connection refused", "connection refused"),
+            ("Name or service not known", "unknown host"),
+            ("nodename nor servname", "unknown host"),
+            ("timed out", "timed out"),
+            ("Read timed out", "timed out"),
+            ("too many 5", "the server kept answering with errors"),
+            ("Max retries exceeded", "no connection"),
+        ):
+            if marker in text:
+                return words
+        seen = seen.__cause__ or seen.__context__
+    return type(last).__name__
 
 
 def explain(err: BaseException, uri: str, experiment: str) -> str:

@@ -47,7 +47,7 @@ from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, flops, objective, update
-from coopstudy.record import schema, writer
+from coopstudy.record import outbox, schema, writer
 from coopstudy.run import capacity, checkpoint, launch
 
 RECORD_EVERY_S = 60.0
@@ -385,6 +385,10 @@ def main(args: argparse.Namespace) -> int:
             # Known causes need no traceback: one line, and the record.
             print(f"{who}: {err}", file=sys.stderr)
             return 2 if isinstance(err, UserError) else 128 + signal.SIGTERM
+        if outbox.is_outage(err):
+            # Before training the ranks read the record (the ledger's runs); an outage then is one line too.
+            print(f"{who}: the tracking server stopped answering ({outbox.reason(err)})", file=sys.stderr)
+            return 2
         if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
             # What a probe is for: one line here, the traceback on the run.
             print(f"{who}: {err}", file=sys.stderr)
