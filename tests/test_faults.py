@@ -686,6 +686,25 @@ def _together(store: Store, tmp: Path, *argv: str) -> list[tuple[int, str]]:
     return [(code, log.read_text()) for code, log in zip(codes, logs)]
 
 
+def test_node_0_whose_other_node_never_joins_fails_in_one_line_naming_the_rendezvous(planned_store, tmp_path):
+    store = planned_store.copy(tmp_path / "store")
+    port = workspace.free_port()
+    done = run_cli("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "0",
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), env=store.env())  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    timeout = config.load("tiny").distributed.collective_timeout_s
+    assert last.startswith(
+        f"coopstudy train: error: compressed arm failed (exit code 2); rank 0: UserError: the 2 ranks did not all meet at 127.0.0.1:{port} "
+        f"within distributed.collective_timeout_s ({timeout:g} s; "
+    ), last
+    # Rank 1 is node 1's: it never started, which is not being killed from outside.
+    assert last.endswith("rank 1 recorded no error (another node's, which may never have started)"), last
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    (run,) = _runs(store, "attributes.run_name = 'train-compressed-tiny'")
+    assert run.info.status == "FAILED"
+
+
 def test_two_trains_at_once_one_proceeds_the_other_refuses_in_one_line(planned_store, tmp_path):
     store = planned_store.copy(tmp_path / "store")
     book = (store.home / "ledger.jsonl").read_bytes()

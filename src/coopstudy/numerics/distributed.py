@@ -150,13 +150,21 @@ def init(cfg: Config) -> DistContext:
     if not dist.is_initialized():
         # The timeout ends every rank when one stops answering, instead of
         # leaving the others blocked in a collective for ever.
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
+            )
+        except dist.DistError as err:
+            # A node never started, or a rendezvous address no rank reaches: one line, not torch's traceback.
+            meet = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise UserError(
+                f"the {world} ranks did not all meet at {meet} within distributed.collective_timeout_s "
+                f"({cfg.distributed.collective_timeout_s:g} s; {type(err).__name__}): on several hosts, start every node's command"
+            ) from err
     return DistContext(rank, world, local_rank, device, backend, cores)
 
 

@@ -262,15 +262,22 @@ def exit_reason(code: int, launcher: bool) -> str:
     return f"exit code {code}"
 
 
-def failure(run_id: str, arm: str, workers: int, code: int) -> str:
-    """One line: what the launch ended with and what each process recorded."""
+def failure(run_id: str, arm: str, workers: int, code: int, here: int | None = None) -> str:
+    """One line: what the launch ended with and what each process recorded.
+    `here`: how many of the ranks (the first) this host ran, when the others
+    are other nodes' (which may never have started)."""
+    here = workers if here is None else here
     tags = store.client().get_run(run_id).data.tags
     said = {r: tags.get(f"{schema.TAG_WORKER_ERROR_PREFIX}{r}") for r in range(workers)}
     parts = [f"{arm} arm failed ({exit_reason(code, launcher=workers > 1)})"]
     parts += [f"rank {r}: {e}" for r, e in said.items() if e]
-    silent = [str(r) for r, e in said.items() if not e]
-    if silent:
-        parts.append(f"rank {', '.join(silent)} recorded no error (killed from outside, or out of host memory)")
+    silent = [r for r, e in said.items() if not e]
+    for ranks, why in (
+        ([r for r in silent if r < here], "killed from outside, or out of host memory"),
+        ([r for r in silent if r >= here], "another node's, which may never have started"),
+    ):
+        if ranks:
+            parts.append(f"rank {', '.join(map(str, ranks))} recorded no error ({why})")
     return "; ".join(parts)
 
 

@@ -183,7 +183,7 @@ def train_arm(
         }
     )
     if done.returncode != 0:
-        raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode))
+        raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode, here=workers // nodes.count if nodes else None))
 
     record = store.client().get_run(rec.run_id).data
     if schema.TAG_CHECKPOINT_SHA not in record.tags:
