@@ -1,6 +1,8 @@
 """The benchmarks on the tiny preset: `bench arms` runs both arms' real loops
-and logs the per-phase table; `bench objective` computes only real tokens.
-Speed figures are not checked (benchmarks, not timed tests)."""
+and logs the per-phase table; `bench objective` computes only real tokens;
+`bench generate` draws the development split, not the final test. Each logs a
+run that covers its measurement. Speed figures are not checked (benchmarks,
+not timed tests)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import torch
 from rich.console import Console
 
 from coopstudy import config, machine
-from coopstudy.bench import arms, objective
-from coopstudy.numerics import flops
+from coopstudy.bench import arms, generate, objective
+from coopstudy.errors import RefusedError
+from coopstudy.inputs import tasks
+from coopstudy.numerics import flops, update
 from coopstudy.record import schema, store
-from coopstudy.run import launch
+from coopstudy.run import launch, lock
 
 
 def _runs(filter_string: str) -> list:
@@ -129,6 +133,28 @@ def test_ready_memory_counts_free_blocks_under_the_reported_order():
     assert machine.free_blocks_mb("", 9, 4096) == 0.0
 
 
+def test_bench_arms_takes_the_matmul_peaks_under_its_device_lock(prepared_tiny, monkeypatch):
+    cfg = config.load("tiny")
+    devices = launch.devices_of(cfg, ("control",), None)
+    seen = []
+
+    def peak(dtype, device, **_):
+        # A second bench asking for the same devices now must be refused.
+        try:
+            with lock.device_lock(devices, "a second bench"):
+                seen.append("free")
+        except RefusedError as err:
+            seen.append(str(err))
+        raise RuntimeError("stopped at the first peak")
+
+    monkeypatch.setattr(arms, "matmul_peak_gflops", peak)
+    with pytest.raises(RuntimeError, match="stopped at the first peak"):
+        arms.measure(cfg, updates=1, arms=("control",), console=Console(width=140))
+    assert len(seen) == 1 and "in use by training job" in seen[0] and "coopstudy bench arms --preset tiny" in seen[0]
+    (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
+    assert parent.info.status == "FAILED"
+
+
 def test_bench_arms_refuses_without_prepared_inputs(cli):
     done = cli("bench", "arms", "--preset", "tiny", "--updates", "2")
     assert done.returncode == 2
@@ -153,6 +179,32 @@ def test_bench_objective_computes_real_tokens_only(tiny_seed, capsys):
     real = re.search(r"padding efficiency, measured \(real / computed tokens\).*?1\.000 \(([\d,]+) / ", out, re.S)
     assert sum(int(t.replace(",", "")) for _, t in lines) == int(real.group(1).replace(",", ""))
 
+    # The run was open for the whole measurement: its timed updates (the
+    # warm-up besides) fit inside it.
+    (run,) = _runs("attributes.run_name = 'bench-objective-tiny'")
+    assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_STAGE] == schema.STAGE_BENCH
+    m = run.data.metrics
+    assert m[schema.M_BENCH_BATCHED_MS] == result[schema.M_BENCH_BATCHED_MS] > 0
+    assert (run.info.end_time - run.info.start_time) >= m[schema.M_BENCH_BATCHED_MS] + m[schema.M_BENCH_REFERENCE_MS]
+
+
+def test_bench_objective_interrupted_mid_measurement_leaves_a_killed_run(tiny_seed, monkeypatch, capsys):
+    reference_update = update.reference_update
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return reference_update(*args, **kwargs)
+
+    monkeypatch.setattr(update, "reference_update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        objective.measure(config.load("tiny"), updates=1, source="synthetic", console=Console(width=140))
+    assert "update 1 (warm-up)" in capsys.readouterr().out
+    (run,) = _runs("attributes.run_name = 'bench-objective-tiny'")
+    assert run.info.status == "KILLED" and run.data.tags[schema.TAG_ERROR_KIND] == "KeyboardInterrupt"
+
 
 @dataclass(frozen=True)
 class Doc:
@@ -174,3 +226,33 @@ def test_the_matmul_peak_is_measured_in_bounded_time():
     torch.set_num_threads(1)
     gflops = arms.matmul_peak_gflops(torch.float32, torch.device("cpu"), seconds=0.05)
     assert gflops > 0 and math.isfinite(gflops)
+
+
+def test_bench_generate_spreads_development_cases_over_every_family_and_logs_a_run(tiny_seed, cli):
+    done = cli("bench", "generate", "--preset", "tiny", "--items", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "5 cases of the development split (test seed 5,000,000: gcd 2, products 1, letter_counting 1, chain_sum 1)" in done.stdout
+    assert "identical outputs: 5/5" in done.stdout
+
+    (run,) = _runs("attributes.run_name = 'bench-generate-tiny'")
+    assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_STAGE] == schema.STAGE_BENCH
+    m = run.data.metrics
+    assert m[schema.M_BENCH_GENERATE_CASES] == 5 and m[schema.M_BENCH_GENERATE_IDENTICAL] == 5
+    for mode in ("one_at_a_time", "batched"):
+        assert m[schema.M_BENCH_GENERATE_RATE_PREFIX + mode] == pytest.approx(5 / m[schema.M_BENCH_GENERATE_SECONDS_PREFIX + mode])
+    assert m[schema.M_BENCH_SPEEDUP] == pytest.approx(m[schema.M_BENCH_GENERATE_SECONDS_PREFIX + "one_at_a_time"] / m[schema.M_BENCH_GENERATE_SECONDS_PREFIX + "batched"])
+    # Both generations happened inside the run.
+    assert run.info.end_time - run.info.start_time >= 1000 * sum(m[schema.M_BENCH_GENERATE_SECONDS_PREFIX + mode] for mode in ("one_at_a_time", "batched"))
+
+
+def test_bench_generate_cases_are_none_of_the_final_tests_and_follow_the_family_options():
+    cfg = config.load("tiny")
+    d = cfg.data
+    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, set(), d.family_options)
+    cases = generate.generation_cases(cfg, 2 * len(d.families))
+    assert [c["family"] for c in cases] == [f for f in d.families for _ in range(2)]
+    assert not {c["entry"]["question"] for c in cases} & {t.question for t in final.tasks}
+
+    shaped = generate.generation_cases(config.load("tiny", ["data.family_options={gcd: {min_numbers: 3, max_numbers: 3}}"]), 2 * len(d.families))
+    changed = {c["family"] for c, s in zip(cases, shaped) if c["entry"]["question"] != s["entry"]["question"]}
+    assert changed == {"gcd"}

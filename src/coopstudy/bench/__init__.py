@@ -43,20 +43,25 @@ the parent run bench-arms-<preset> gets, per phase (updates
 update of each arm, their ratio, the median breakdown, the compute-only
 ratio (what the ratio would be if gradient communication and recording were
 free), the training FLOP/s each device achieved and the single-thread
-matmul peak measured in the same run (before and after the arms) that it is
-a fraction of, and per arm and rank the memory new to the process inside the
-window (first touch: train/new_memory_mb) with the system seconds it cost,
-and per arm the free memory the machine had ready for first touches before
-update 1 and at its lowest after an update (train/ready_memory_mb).
+matmul peak measured in the same run under the same device lock (before and
+after the arms) that it is a fraction of, and per arm and rank the memory
+new to the process inside the window (first touch: train/new_memory_mb) with
+the system seconds it cost, and per arm the free memory the machine had ready
+for first touches before update 1 and at its lowest after an update
+(train/ready_memory_mb).
 
 `generate`: batched against one-at-a-time greedy generation on the seed model.
-Draws test-like cases (the families and test seed of the preset, the prompt
-form of the final test; nothing from the prepared files is needed), generates
-their answers once prompt by prompt and once in batches of
+Draws its cases from the development split, as `dev-split` draws it at its
+default seed (the preset's families and family options, the prompt form of
+the final test, never its questions; nothing from the prepared files is
+needed), --items spread as evenly as the families allow (the count of each is
+printed), generates their answers once prompt by prompt and once in batches of
 evaluate.batch_size, prints cases/s for both and the speed-up, and checks that
 both give the same tokens for every case (exit 1 if not). Also prints the
-seed's strict accuracy per family on these cases. Evaluation is not a timed
-arm: torch keeps its default thread count, which is printed.
+seed's strict accuracy per family on these cases. The run
+bench-generate-<preset> gets each mode's seconds and cases/s, the speed-up and
+the count of identical outputs. Evaluation is not a timed arm: torch keeps its
+default thread count, which is printed.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " fewer give a quick look whose compressed phase is mostly its first, slowest updates)")  # fmt: skip
     a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
     g = bench("generate", "batched against one-at-a-time greedy generation on the seed model")
-    g.add_argument("--items", type=int, default=32, help=f"test cases to generate (default 32, at most {MAX_ITEMS:,})")
+    g.add_argument("--items", type=int, default=32, help=f"development-split cases to generate, spread over the families (default 32, at most {MAX_ITEMS:,})")
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:

@@ -112,18 +112,20 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.train.threads_per_device)
     try:
-        peaks = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
-        console.print("matmul peak before the arms: " + ", ".join(f"{n} {g:,.1f} GFLOP/s" for n, g in peaks.items()))
         phases = records.phases(dense, updates)
         update_flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
 
         results: dict[str, dict] = {}
         devices = launch.devices_of(cfg, arms, None)
         with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-arms-{cfg.preset}") as parent:
+            # The peaks under the arms' lock too: another job's matmuls on the
+            # same cores would lower them and every fraction of them.
             with lock.device_lock(devices, f"coopstudy bench arms --preset {cfg.preset_argument}") as held:
+                peaks = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
+                console.print("matmul peak before the arms: " + ", ".join(f"{n} {g:,.1f} GFLOP/s" for n, g in peaks.items()))
                 for arm in arms:
                     _, results[arm] = _run_arm(cfg, arm, updates, held, console)
-            after = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
+                after = {name: matmul_peak_gflops(dtype, device) for name, dtype in _DTYPES.items()}
 
             metrics: dict[str, float] = {}
             for name, gflops in peaks.items():

@@ -9,22 +9,30 @@ import torch
 
 from coopstudy import scoring, ui
 from coopstudy.config import Config
+from coopstudy.devsplit import DEV_SEED
 from coopstudy.inputs import chat, tasks
 from coopstudy.inputs.seed import resolve_seed
+from coopstudy.record import schema, writer
 
 
 def generation_cases(cfg: Config, items: int) -> list[dict]:
-    """`items` cases spread evenly over the families, as the final test asks them."""
-    families = cfg.data.families
-    per_family = -(-items // len(families))
+    """`items` cases of the development split, as `dev-split` draws it (the
+    final test's draw at DEV_SEED, with the preset's family options, questions
+    seen in training dropped), never the study's final test: nothing printed
+    here invites a choice made on the questions the study is judged by. As even
+    over the families as `items` allows, the first families taking one more."""
+    d = cfg.data
+    tasks.check_development_seed(d, d.families, DEV_SEED)
+    share, extra = divmod(items, len(d.families))
+    wanted = {fam: share + (pos < extra) for pos, fam in enumerate(d.families)}
+    training = {t.question for t in tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, d.family_options)}
+    draw = tasks.generate_final(d.families, max(wanted.values()), DEV_SEED, training, d.family_options)
     out = []
-    for pos, fam in enumerate(families):
-        ds = tasks.dataset(fam, tasks.family_seed(cfg.data.test_seed, pos), per_family)
-        out += [
-            {"case_id": f"{fam}/{i}", "family": fam, "messages": tasks.task_messages(ds[i]["question"]), "entry": ds[i]}
-            for i in range(per_family)
-        ]
-    return out[:items]
+    for t in draw.tasks:
+        if wanted[t.family]:
+            wanted[t.family] -= 1
+            out.append({"case_id": f"{t.family}/{t.index}", "family": t.family, "messages": tasks.task_messages(t.question), "entry": t.entry})
+    return out
 
 
 def measure(cfg: Config, items: int) -> int:
@@ -34,31 +42,48 @@ def measure(cfg: Config, items: int) -> int:
     test = generation_cases(cfg, items)
     prompts = [chat.prompt_ids(tokenizer, c["messages"]) for c in test]
     common = {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop": scoring.stop_ids(tokenizer), "pad_id": scoring.padding_id(tokenizer)}
+    per_family = ", ".join(f"{fam} {sum(c['family'] == fam for c in test)}" for fam in cfg.data.families)
     print(
-        f"seed {seed.path} ({seed.parameters:,} parameters), {len(test)} cases, max_new_tokens "
-        f"{cfg.evaluate.max_new_tokens}, torch threads {torch.get_num_threads()}, device {next(model.parameters()).device}",
+        f"seed {seed.path} ({seed.parameters:,} parameters), {len(test)} cases of the development split"
+        f" (test seed {DEV_SEED:,}: {per_family}), max_new_tokens {cfg.evaluate.max_new_tokens},"
+        f" torch threads {torch.get_num_threads()}, device {next(model.parameters()).device}",
         flush=True,
     )
 
-    timings = {}
+    # Each mode: its metric suffix, its printed label, its batch size.
+    modes = (("one_at_a_time", "one at a time", 1), ("batched", "batched", cfg.evaluate.batch_size))
+    seconds = {}
     outputs = {}
-    for label, batch in (("one at a time", 1), ("batched", cfg.evaluate.batch_size)):
-        start = time.perf_counter()
-        with ui.progress(label, len(test)) as advance:
-            outputs[label] = scoring.generate(model, prompts, batch_size=batch, progress=advance, **common)
-        timings[label] = (batch, time.perf_counter() - start)
+    # The run opens before the first generation: an interrupt or a tracking
+    # outage while measuring ends it KILLED or FAILED, as in the other benches.
+    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-generate-{cfg.preset}") as rec:
+        for mode, label, batch in modes:
+            start = time.perf_counter()
+            with ui.progress(label, len(test)) as advance:
+                outputs[mode] = scoring.generate(model, prompts, batch_size=batch, progress=advance, **common)
+            seconds[mode] = time.perf_counter() - start
 
-    print(f"\n{'mode':<14} {'batch':>5} {'seconds':>8} {'cases/s':>8} {'new tokens':>10}")
-    for label, (batch, seconds) in timings.items():
-        new_tokens = sum(len(g.tokens) + g.finished for g in outputs[label])
-        print(f"{label:<14} {batch:>5} {seconds:>8.2f} {len(test) / seconds:>8.2f} {new_tokens:>10}")
-    speedup = timings["one at a time"][1] / timings["batched"][1]
-    differing = [c["case_id"] for c, a, b in zip(test, outputs["one at a time"], outputs["batched"]) if a != b]
-    print(f"speed-up {speedup:.1f}x (target at least 4x: {'met' if speedup >= 4 else 'NOT met'})")
-    print(f"identical outputs: {len(test) - len(differing)}/{len(test)}" + (f" (differ: {', '.join(differing)})" if differing else ""))
+        print(f"\n{'mode':<14} {'batch':>5} {'seconds':>8} {'cases/s':>8} {'new tokens':>10}")
+        for mode, label, batch in modes:
+            new_tokens = sum(len(g.tokens) + g.finished for g in outputs[mode])
+            print(f"{label:<14} {batch:>5} {seconds[mode]:>8.2f} {len(test) / seconds[mode]:>8.2f} {new_tokens:>10}")
+        speedup = seconds["one_at_a_time"] / seconds["batched"]
+        differing = [c["case_id"] for c, a, b in zip(test, outputs["one_at_a_time"], outputs["batched"]) if a != b]
+        print(f"speed-up {speedup:.1f}x (target at least 4x: {'met' if speedup >= 4 else 'NOT met'})")
+        print(f"identical outputs: {len(test) - len(differing)}/{len(test)}" + (f" (differ: {', '.join(differing)})" if differing else ""))
+        rec.log_metrics(
+            {
+                schema.M_BENCH_GENERATE_CASES: len(test),
+                schema.M_BENCH_GENERATE_THREADS: torch.get_num_threads(),
+                schema.M_BENCH_SPEEDUP: speedup,
+                schema.M_BENCH_GENERATE_IDENTICAL: len(test) - len(differing),
+                **{schema.M_BENCH_GENERATE_SECONDS_PREFIX + mode: s for mode, s in seconds.items()},
+                **{schema.M_BENCH_GENERATE_RATE_PREFIX + mode: len(test) / s for mode, s in seconds.items()},
+            }
+        )
 
     rows = [scoring.score_case(c, tokenizer.decode(g.tokens, skip_special_tokens=True)) for c, g in zip(test, outputs["batched"])]
-    print("\nseed strict accuracy (score 1.0) per family:")
+    print("\nseed strict accuracy (score 1.0) per family, development split:")
     for fam in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == fam]
         print(f"  {fam:<16} {sum(r['correct'] for r in mine)}/{len(mine)}")

@@ -94,76 +94,78 @@ def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict
     ref_opt = update.build_optimizer(reference.parameters(), cfg.train)
     ref_sched = update.build_scheduler(ref_opt, cfg.train.warmup_updates)
 
-    batched_s, reference_s, loss_gaps = [], [], []
-    real_tokens = computed_tokens = 0
-    # Row 0 warms both paths up (allocator, lazy inits) and is not timed; the
-    # two paths then alternate update by update, so both see the same machine.
-    for k in range(updates + 1):
-        row = schedule[k]
-        got = update.worker_update(net, opt, sched, docs, row, ctx, microbatch=microbatch, precision=precision, grad_clip=cfg.train.grad_clip)
-        want = update.reference_update(
-            reference, ref_opt, ref_sched, [docs[i] for i in row], batching.total_weight(docs, row),
-            precision=precision, grad_clip=cfg.train.grad_clip,
-        )
-        # Tokens and the kernel's seconds (memory first touched) say why one
-        # update is slower than another: the rows are not the same size.
-        console.print(
-            f"update {k + 1}{' (warm-up)' if k == 0 else ''}: {got.local_tokens:,} tokens;"
-            f" batched {got.seconds:.2f} s ({got.times.system:.2f} s of it the kernel's),"
-            f" per-document {want.seconds:.2f} s: {want.seconds / got.seconds:.2f}x"
-        )
-        real_tokens += got.local_tokens
-        computed_tokens += got.computed_tokens
-        if k:
-            batched_s.append(got.seconds)
-            reference_s.append(want.seconds)
-        loss_gaps.append(abs(got.loss - want.loss) / abs(want.loss))
-
-    lengths = [len(d.input_ids) for d in docs]
-    padding = {
-        (arm, sort, packed): batching.padding_efficiency(
-            lengths, schedule, cfg.arm(arm).workers, cfg.arm(arm).microbatch, sort=sort, packed=packed
-        ).ratio
-        for arm in ("control", "compressed")
-        for sort in (True, False)
-        for packed in (True, False)
-    }
-    measured = real_tokens / computed_tokens if computed_tokens else 1.0
-    batched_ms = 1000 * statistics.mean(batched_s)
-    reference_ms = 1000 * statistics.mean(reference_s)
-    result = {
-        schema.M_BENCH_BATCHED_MS: batched_ms,
-        schema.M_BENCH_REFERENCE_MS: reference_ms,
-        schema.M_BENCH_SPEEDUP: reference_ms / batched_ms,
-        schema.M_BENCH_LOSS_REL_GAP: max(loss_gaps),
-        **{
-            f"{schema.M_BENCH_PADDING_PREFIX}{'sorted' if sort else 'unsorted'}/{arm}": ratio
-            for (arm, sort, packed), ratio in padding.items()
-            if packed
-        },
-    }
-
-    table = Table(title=f"objective benchmark, preset {cfg.preset}")
-    table.add_column("quantity")
-    table.add_column("value")
-    table.add_row("documents", note)
-    table.add_row("model", f"{sum(p.numel() for p in lm.parameters()) / 1e6:.1f} M parameters, {precision.name}, {torch.get_num_threads()} thread(s)")
-    table.add_row("update", f"{cfg.train.global_batch} documents, control microbatch {microbatch}; {updates} timed updates after 1 warm-up")
-    table.add_row("batched ms / update", f"{batched_ms:,.0f}")
-    table.add_row("per-document ms / update", f"{reference_ms:,.0f}")
-    table.add_row("ratio (per-document / batched)", f"{reference_ms / batched_ms:.2f}x")
-    table.add_row("loss, max relative gap", f"{max(loss_gaps):.1e}")
-    table.add_row("padding efficiency, measured (real / computed tokens)", f"{measured:.3f} ({real_tokens:,} / {computed_tokens:,})")
-    for arm in ("control", "compressed"):
-        shape = cfg.arm(arm)
-        table.add_row(
-            f"padding efficiency, {arm} ({shape.workers} x mb {shape.microbatch})",
-            f"packed {padding[(arm, True, True)]:.3f}; padded would be sorted {padding[(arm, True, False)]:.3f}"
-            f" / unsorted {padding[(arm, False, False)]:.3f}",
-        )
-    console.print(table)
-    rows = [{"quantity": r[0], "value": r[1]} for r in zip(table.columns[0].cells, table.columns[1].cells)]
+    # The run opens before the first update: an interrupt or a tracking outage
+    # while measuring ends it KILLED or FAILED, as in the other benches.
     with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec:
+        batched_s, reference_s, loss_gaps = [], [], []
+        real_tokens = computed_tokens = 0
+        # Row 0 warms both paths up (allocator, lazy inits) and is not timed; the
+        # two paths then alternate update by update, so both see the same machine.
+        for k in range(updates + 1):
+            row = schedule[k]
+            got = update.worker_update(net, opt, sched, docs, row, ctx, microbatch=microbatch, precision=precision, grad_clip=cfg.train.grad_clip)
+            want = update.reference_update(
+                reference, ref_opt, ref_sched, [docs[i] for i in row], batching.total_weight(docs, row),
+                precision=precision, grad_clip=cfg.train.grad_clip,
+            )
+            # Tokens and the kernel's seconds (memory first touched) say why one
+            # update is slower than another: the rows are not the same size.
+            console.print(
+                f"update {k + 1}{' (warm-up)' if k == 0 else ''}: {got.local_tokens:,} tokens;"
+                f" batched {got.seconds:.2f} s ({got.times.system:.2f} s of it the kernel's),"
+                f" per-document {want.seconds:.2f} s: {want.seconds / got.seconds:.2f}x"
+            )
+            real_tokens += got.local_tokens
+            computed_tokens += got.computed_tokens
+            if k:
+                batched_s.append(got.seconds)
+                reference_s.append(want.seconds)
+            loss_gaps.append(abs(got.loss - want.loss) / abs(want.loss))
+
+        lengths = [len(d.input_ids) for d in docs]
+        padding = {
+            (arm, sort, packed): batching.padding_efficiency(
+                lengths, schedule, cfg.arm(arm).workers, cfg.arm(arm).microbatch, sort=sort, packed=packed
+            ).ratio
+            for arm in ("control", "compressed")
+            for sort in (True, False)
+            for packed in (True, False)
+        }
+        measured = real_tokens / computed_tokens if computed_tokens else 1.0
+        batched_ms = 1000 * statistics.mean(batched_s)
+        reference_ms = 1000 * statistics.mean(reference_s)
+        result = {
+            schema.M_BENCH_BATCHED_MS: batched_ms,
+            schema.M_BENCH_REFERENCE_MS: reference_ms,
+            schema.M_BENCH_SPEEDUP: reference_ms / batched_ms,
+            schema.M_BENCH_LOSS_REL_GAP: max(loss_gaps),
+            **{
+                f"{schema.M_BENCH_PADDING_PREFIX}{'sorted' if sort else 'unsorted'}/{arm}": ratio
+                for (arm, sort, packed), ratio in padding.items()
+                if packed
+            },
+        }
+
+        table = Table(title=f"objective benchmark, preset {cfg.preset}")
+        table.add_column("quantity")
+        table.add_column("value")
+        table.add_row("documents", note)
+        table.add_row("model", f"{sum(p.numel() for p in lm.parameters()) / 1e6:.1f} M parameters, {precision.name}, {torch.get_num_threads()} thread(s)")
+        table.add_row("update", f"{cfg.train.global_batch} documents, control microbatch {microbatch}; {updates} timed updates after 1 warm-up")
+        table.add_row("batched ms / update", f"{batched_ms:,.0f}")
+        table.add_row("per-document ms / update", f"{reference_ms:,.0f}")
+        table.add_row("ratio (per-document / batched)", f"{reference_ms / batched_ms:.2f}x")
+        table.add_row("loss, max relative gap", f"{max(loss_gaps):.1e}")
+        table.add_row("padding efficiency, measured (real / computed tokens)", f"{measured:.3f} ({real_tokens:,} / {computed_tokens:,})")
+        for arm in ("control", "compressed"):
+            shape = cfg.arm(arm)
+            table.add_row(
+                f"padding efficiency, {arm} ({shape.workers} x mb {shape.microbatch})",
+                f"packed {padding[(arm, True, True)]:.3f}; padded would be sorted {padding[(arm, True, False)]:.3f}"
+                f" / unsorted {padding[(arm, False, False)]:.3f}",
+            )
+        console.print(table)
+        rows = [{"quantity": r[0], "value": r[1]} for r in zip(table.columns[0].cells, table.columns[1].cells)]
         rec.log_metrics(result)
         rec.log_table(rows, schema.ART_BENCH_TABLE)
     return result

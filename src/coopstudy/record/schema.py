@@ -69,7 +69,8 @@ STAGE_STUDY = "study"
 """The run of the `study` command (study-<preset>; study-train-<arm>-<preset>
 with --through train), parent of the step runs it starts."""
 STAGE_BENCH = "bench"
-"""The bench-objective-<preset> run of `python -m coopstudy bench objective`."""
+"""The runs of `python -m coopstudy bench`: bench-objective-<preset>, bench-arms-<preset> (with a child run per
+arm) and bench-generate-<preset>."""
 STAGE_DEV_SPLIT = "dev-split"
 """The dev-split-<preset> run of `python -m coopstudy dev-split`: families and learning rate measured on a
 development split, outside any study."""
@@ -188,7 +189,8 @@ M_BENCH_BATCHED_MS = "bench/batched_ms_per_update"
 M_BENCH_REFERENCE_MS = "bench/reference_ms_per_update"
 """On the bench run: mean milliseconds of the per-document reference update on the same documents."""
 M_BENCH_SPEEDUP = "bench/speedup"
-"""On the bench run: per-document ms / batched ms."""
+"""On the bench-objective run: per-document ms / batched ms; on the bench-generate run: one-at-a-time seconds /
+batched seconds."""
 M_BENCH_LOSS_REL_GAP = "bench/loss_max_rel_gap"
 """On the bench run: the largest |batched loss - reference loss| / |reference loss| over the updates,
 warm-up included."""
@@ -236,6 +238,16 @@ the operating system took of its processes inside the training window (mostly th
 M_BENCH_READY_MEMORY_PREFIX = "bench/ready_memory_mb/"
 """+ arm, on the bench-arms parent run: train/ready_memory_mb before the arm's first update, MiB: what
 first touches could take without waiting for the VM's host when the arm began."""
+M_BENCH_GENERATE_SECONDS_PREFIX = "bench/generate_seconds/"
+"""+ mode (one_at_a_time|batched), on the bench-generate-<preset> run: seconds of greedy generation over its cases."""
+M_BENCH_GENERATE_RATE_PREFIX = "bench/generate_cases_per_second/"
+"""+ mode (one_at_a_time|batched), on the bench-generate run: its cases / that mode's seconds."""
+M_BENCH_GENERATE_CASES = "bench/generate_cases"
+"""On the bench-generate run: the development-split cases generated (`--items`)."""
+M_BENCH_GENERATE_IDENTICAL = "bench/generate_identical_outputs"
+"""On the bench-generate run: the cases whose batched tokens equal their one-at-a-time tokens (all, or exit 1)."""
+M_BENCH_GENERATE_THREADS = "bench/generate_threads"
+"""On the bench-generate run: torch's thread count while it generated (evaluation is not a timed arm)."""
 M_BENCH_READY_MEMORY_LOW_PREFIX = "bench/ready_memory_low_mb/"
 """+ arm, on the bench-arms parent run: the lowest train/ready_memory_mb after one of the arm's updates, MiB;
 near zero, the arm's later first touches waited for the host."""
