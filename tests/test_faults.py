@@ -528,6 +528,7 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     assert took < launch.STOP_GRACE_S, took
     assert stage.returncode == 130, out[-3000:]
     assert out.strip().splitlines()[-1] == "coopstudy train: interrupted", out[-3000:]
+    assert launch.STOPPING.format(grace=launch.STOP_GRACE_S) in out, out[-3000:]
     told = launch.ALREADY_STOPPING.format(pid=stage.pid) in out
     assert told == (sig == CTRL_C_TWICE), out[-3000:]
     ended = _client(ends_store).get_run(run.info.run_id)

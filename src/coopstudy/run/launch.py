@@ -294,6 +294,10 @@ ALREADY_STOPPING = "coopstudy: already stopping: its processes, then its record;
 """Said at each Ctrl-C after the first, which the stopping lets pass."""
 
 
+STOPPING = "coopstudy: stopping the processes it launched (SIGTERM, then SIGKILL after {grace:g} s)"
+"""Said when a stop begins, before the wait for the launched processes."""
+
+
 class _Stop:
     depth = 0
     """stopping() contexts open: the handlers are this module's while above 0."""
@@ -404,7 +408,9 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
                 held.note(process_group=proc.pid)
             returncode = proc.wait()
         except BaseException as err:
-            # Interrupted or stopped ourselves: no rank may outlive the stage.
+            # Interrupted or stopped ourselves: no rank may outlive the stage. A
+            # rank blocked in a rendezvous may answer only the SIGKILL: say why it waits.
+            print(STOPPING.format(grace=STOP_GRACE_S), file=sys.stderr, flush=True)
             _stop(proc)
             if type(err) is KeyboardInterrupt:
                 raise Interrupted(f"{writer.INTERRUPTED}; every process it launched was stopped") from None
