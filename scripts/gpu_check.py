@@ -10,9 +10,9 @@ configs, the commands it would run). With CUDA, on device 0:
    back, per-document positions and attention) against each document alone,
    loss and every gradient, in float64 (gate tolerance), float32 (TF32 off)
    and bf16 autocast (bf16 rounding: loose bounds, the figures printed);
-2. in a store of its own (DIR, default .coopstudy/gpu-check/<time>/: an
-   MLflow SQLite store and a study home; the seed conversion reused from
-   .coopstudy/seeds when it is there): `prepare` and `verify` of tiny, then
+2. in a store of its own (DIR, default <home>/gpu-check/<time>/, the home
+   being COOPSTUDY_HOME or .coopstudy: an MLflow SQLite store and a study
+   home; the seed conversion reused from <home>/seeds when it is there): `prepare` and `verify` of tiny, then
    `probe` of tiny with two control candidates, microbatch 4 (fits) and
    microbatch 8 on a device held to 16 MiB by
    torch.cuda.set_per_process_memory_fraction (run.capacity): the second must
@@ -176,7 +176,7 @@ def check_probe(store: Path, checks: Checks) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-cpu-preset", action="store_true", help="only the tiny preset (no SmolLM2-135M prepare and run)")
-    parser.add_argument("--keep", type=Path, default=None, help="the store folder (default: .coopstudy/gpu-check/<time>)")
+    parser.add_argument("--keep", type=Path, default=None, help="the store folder (default: <home>/gpu-check/<time>, home COOPSTUDY_HOME or .coopstudy)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
@@ -206,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         checks.expect(loss < loss_bound and grads < grad_bound,
                       f"{precision}: loss rel. error {loss:.1e} (< {loss_bound:g}), worst gradient {grads:.1e} (< {grad_bound:g})")  # fmt: skip
 
-    store = args.keep or ROOT / ".coopstudy" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
+    from coopstudy import workspace
+
+    # The user's study home (COOPSTUDY_HOME, or the project's .coopstudy): its seed conversion, and room for this store.
+    store = args.keep or workspace.home() / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
     store.mkdir(parents=True, exist_ok=True)
-    seeds = ROOT / ".coopstudy" / "seeds"
+    seeds = workspace.home() / "seeds"
     if seeds.is_dir() and not (store / "home" / "seeds").exists():
         (store / "home").mkdir(parents=True, exist_ok=True)
         shutil.copytree(seeds, store / "home" / "seeds")
