@@ -28,9 +28,9 @@ NO_DENSE_ARM = (
     "and are not set against any dense-communication figure."
 )
 BYTES_NOTE = (
-    "Bytes per worker are rank 0's collective payload, as the record's bytes/* metrics hold it; "
-    "every rank of the gradient collectives sends a payload of the same size, so all workers together send "
-    "the workers' count times it; DDP's setup broadcast, a part of the total, is sent once, by rank 0 alone."
+    "Bytes per worker are rank 0's collective payload (the record's bytes/*); every rank of the gradient "
+    "collectives sends as much, so all workers send the workers' count times it, DDP's setup broadcast "
+    "(rank 0 alone) once."
 )
 BREAKDOWN_NOTE = (
     "Update = forward and backward + comm (the gradient comm hook, waits for the other worker included) "
@@ -238,7 +238,6 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("bytes sent per worker (rank 0), dense phase", "bytes_dense", 0),
         ("bytes sent per worker (rank 0), compressed phase", "bytes_compressed", 0),
         ("bytes sent per worker (rank 0), total", "bytes_total", 0),
-        ("of it, DDP's setup broadcast (sent by rank 0 alone)", "bytes_setup", 0),
         ("bytes sent, all workers, dense phase", "bytes_dense_all_workers", 0),
         ("bytes sent, all workers, compressed phase", "bytes_compressed_all_workers", 0),
         ("bytes sent, all workers, total", "bytes_total_all_workers", 0),

@@ -154,9 +154,9 @@ def gain_sensitivity(
     the band at the threshold itself; the standard error Tango's interval
     implies (half-width / z of the level) stands in, and the note says so."""
     discordant = table.n10 + table.n01
-    se = stats.paired_se(table) if discordant else (tango.upper - tango.lower) / 2 / float(sps.norm.ppf((1 + level) / 2))
-    z = float(sps.norm.ppf(POWER))
     half = (tango.upper - tango.lower) / 2
+    se = stats.paired_se(table) if discordant else half / float(sps.norm.ppf((1 + level) / 2))
+    z = float(sps.norm.ppf(POWER))
     sens = {
         "half_width": half,
         "newcombe_half_width": (newcombe.upper - newcombe.lower) / 2,
@@ -166,8 +166,7 @@ def gain_sensitivity(
         "pass_likely_above": threshold + z * se,
         "fail_likely_below": threshold - z * se,
         "power": POWER,
-        "note": f"±{100 * half:.1f} pts; passes w.p. {POWER:.0%} from a true {_pts(threshold + z * se)}"
-        + ("" if discordant else " (no discordant case: se from Tango's interval)"),
+        "note": f"±{100 * half:.1f} pts; passes w.p. {POWER:.0%} from a true {_pts(threshold + z * se)}",
     }
     powered = tango.lower > 0
     why = (
@@ -479,7 +478,10 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
             figures[f"{c}_all_workers"] = None if count is None or figures[c] is None else figures[c] * count
         if figures["bytes_total_all_workers"] is not None:
             setup = figures["bytes_setup"]
-            figures["bytes_total_all_workers"] = None if setup is None else figures["bytes_total_all_workers"] - (count - 1) * setup
+            # Without bytes/setup (an older record) only one worker's total is exact.
+            figures["bytes_total_all_workers"] = (
+                figures["bytes_total_all_workers"] - (count - 1) * setup if setup is not None else None if count > 1 else figures["bytes_total"]
+            )
         arms[arm] = {"run_id": str(row["run_id"])} | figures
     control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
     ratio = compressed / control if control and compressed is not None else None

@@ -270,7 +270,8 @@ def test_gain_sensitivity_without_discordant_cases_is_not_the_threshold_itself()
     se = half / sps.norm.ppf(0.975)
     assert s.sensitivity["se"] == pytest.approx(se) and se > 0.05
     assert s.sensitivity["pass_likely_above"] == pytest.approx(0.10 + sps.norm.ppf(0.8) * se)
-    assert s.sensitivity["note"].endswith("(no discordant case: se from Tango's interval)")
+    assert s.sensitivity["note"].endswith(f"from a true {100 * (0.10 + sps.norm.ppf(0.8) * se):+.1f} pts")
+    assert s.sensitivity["se_from"] == "Tango's interval (no discordant case)"
     # A pass whose interval still holds "no gain" has no power.
     small = sc.accuracy_gain(_gain_cases(5, 3, 1, 11), CFG)
     assert small.passed and small.interval[0] < 0 and small.powered is False
@@ -316,6 +317,7 @@ def test_bytes_are_per_worker_with_all_workers_beside():
     # The setup broadcast is sent by rank 0 alone: once in the total, not once per worker.
     assert compressed["bytes_total_all_workers"] == 2 * (5e6 - 2e5) + 2e5 and compressed["workers"] == 2
     assert res["arms"]["control"]["bytes_total_all_workers"] == 0.0
-    assert sc.resources(_train((1.0, 1.0), (1.0, 1.0)).drop(columns="bytes_setup").assign(bytes_setup=float("nan")),
-                        {"control": 1, "compressed": 2})["arms"]["compressed"]["bytes_total_all_workers"] is None  # fmt: skip
+    # A record without bytes/setup: one worker's total is still exact, two workers' is not known.
+    older = sc.resources(_train((1.0, 1.0), (1.0, 1.0)).assign(bytes_setup=float("nan")), {"control": 1, "compressed": 2})["arms"]
+    assert (older["compressed"]["bytes_total_all_workers"], older["control"]["bytes_total_all_workers"]) == (None, 0.0)
     assert sc.resources(_train((1.0, 1.0), (1.0, 1.0)))["arms"]["compressed"]["bytes_total_all_workers"] is None

@@ -141,6 +141,18 @@ def test_tables_inputs_and_models_go_through_the_outbox_and_land_once(monkeypatc
     assert [len(client.get_metric_history(rec.run_id, k)) for k in (schema.M_ACCURACY, schema.M_EVAL_THREADS)] == [1, 1]
 
 
+def test_a_model_record_kept_before_metrics_had_their_own_datasets_is_delivered():
+    # An outbox written by the version before (one dataset for every metric), delivered after an upgrade.
+    client = store.client()
+    run_id = client.create_run(store.experiment_id()).info.run_id
+    kept = {"op": "model", "name": "seed", "model_type": schema.MODEL_TYPE_CHECKPOINT, "params": {}, "tags": {},
+            "metrics": [[schema.M_ACCURACY, 0.25, 1000, 0]], "dataset": ["test.jsonl", "ef" * 18]}  # fmt: skip
+    outbox.apply(client, run_id, kept)
+    (model,) = client.search_logged_models(experiment_ids=[store.experiment_id()], filter_string=f"source_run_id = '{run_id}'")
+    assert str(model.status) == "READY"
+    assert [(m.key, m.value, m.dataset_name) for m in model.metrics] == [(schema.M_ACCURACY, 0.25, "test.jsonl")]
+
+
 def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
     """A process killed while it wrote its last waiting record: the records
     before it still land, the broken line is kept aside and said, nothing stops."""

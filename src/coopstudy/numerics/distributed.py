@@ -159,12 +159,15 @@ def init(cfg: Config) -> DistContext:
                 timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
             )
         except dist.DistError as err:
-            # A node never started, or a rendezvous address no rank reaches: one line, not torch's traceback.
+            # A node never started, a port in use, an interface no rank reaches: one line, not torch's traceback.
             meet = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            raise UserError(
-                f"the {world} ranks did not all meet at {meet} within distributed.collective_timeout_s "
-                f"({cfg.distributed.collective_timeout_s:g} s; {type(err).__name__}): on several hosts, start every node's command"
-            ) from err
+            if isinstance(err, dist.DistStoreError):
+                raise UserError(
+                    f"the {world} ranks did not all meet at {meet} within distributed.collective_timeout_s "
+                    f"({cfg.distributed.collective_timeout_s:g} s; {type(err).__name__}): on several hosts, start every node's command"
+                ) from err
+            said = (str(err).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"rank {rank} could not join the ranks at {meet}: {type(err).__name__}: {said}") from err
     return DistContext(rank, world, local_rank, device, backend, cores)
 
 

@@ -67,7 +67,9 @@ class UpdateTimes:
     """Zeroing the gradients, their norm and clipping, the AdamW step and the schedule's step."""
     other: float
     """Packing the microbatches and the end of the update: the loss read off
-    the device and the scalar sums (loss, tokens) across the workers."""
+    the device and the scalar sums (loss, tokens) across the workers. The
+    training loop (run.worker) widens it to the rest of the update's wall
+    time (the call, freeing the update's tensors), so the parts add up."""
     communication_arithmetic: float = 0.0
     """Of `communication`, not beside it: PowerSGD's own arithmetic on this
     worker (distributed.UpdateBytes.arithmetic_seconds); the rest of

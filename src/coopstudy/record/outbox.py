@@ -260,12 +260,15 @@ def _apply_model(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
         experiment_id=experiment_id, name=record["name"], source_run_id=run_id,
         params=record["params"], tags=record["tags"], model_type=record["model_type"],
     )  # fmt: skip
-    if not found:
+    # A delivery cut short after the model was made left it unfinished: finish it now.
+    if model.status != LoggedModelStatus.READY:
         client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, 0)])
+    # A record kept by an older version links every metric to its one dataset.
+    datasets = record["datasets"] if "datasets" in record else {k: record["dataset"] for k, *_ in record["metrics"]}
     metrics = []
     for k, v, ts, step in record["metrics"]:
-        name, digest = record["datasets"].get(k, (None, None))
+        name, digest = datasets.get(k, (None, None))
         metrics.append(Metric(k, v, ts, step, model_id=model.model_id, dataset_name=name, dataset_digest=digest))
     client.log_batch(run_id, metrics=metrics)
 

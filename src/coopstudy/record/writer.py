@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import time
@@ -109,14 +110,17 @@ class Recorder:
     ) -> None:
         """An MLflow logged model of this run (the Models view compares them), with
         `metrics` linked to it, each to the dataset `measured_on` names for it
-        (name, sha256 of the file), if any. MLflow logs a model's metrics on the
-        run too: they are the run's metrics, not to be logged again beside."""
+        (name, sha256 of the file), if any. They are the run's metrics too: sent
+        to the run first, at the same instant, so that a store refusing the model
+        still holds them, and a store taking both keeps one point of each."""
         now = int(time.time() * 1000)
+        points = [[k, float(v), now, 0] for k, v in metrics.items()]
+        self._outbox.send({"op": "batch", "metrics": points})
         self._outbox.send(
             {
                 "op": "model", "name": name, "model_type": schema.MODEL_TYPE_CHECKPOINT,
                 "params": {k: str(v) for k, v in params.items()}, "tags": {k: str(v) for k, v in tags.items()},
-                "metrics": [[k, float(v), now, 0] for k, v in metrics.items()],
+                "metrics": points,
                 "datasets": {k: [file, dataset_digest(sha)] for k, (file, sha) in measured_on.items()},
             }
         )  # fmt: skip
@@ -256,6 +260,7 @@ class _Pointer:
         self.client.set_terminated(self.launched.run_id, status)
 
 
+@functools.cache  # one question to the store per process: a refusal may ask twice
 def _launching_run() -> tuple[Any, Any] | None:
     """A client and `mlflow run`'s run that started this process, while that
     run is RUNNING. None otherwise: an MLFLOW_RUN_ID left in a shell names

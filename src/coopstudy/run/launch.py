@@ -429,7 +429,7 @@ def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nod
     return sorted(found)
 
 
-def check_hostfile(path: Path, needed: int) -> list[str]:
+def check_hostfile(path: Path, needed: int, per_host: int = 1) -> list[str]:
     """The hosts of an MPI-style hostfile (`HOST slots=N` lines, # comments),
     or a one-line refusal naming the line that is not one."""
     if path.is_dir():
@@ -452,7 +452,8 @@ def check_hostfile(path: Path, needed: int) -> list[str]:
             raise UserError(f"--hostfile {path} line {n}: host {m.group(1)} is listed twice")
         hosts.append(m.group(1))
     if len(hosts) != needed:
-        raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, one rank each")
+        each = "one rank" if per_host == 1 else f"{per_host} ranks"
+        raise UserError(f"--hostfile {path} names {len(hosts)} host(s); the compressed arm needs {needed}, {each} each")
     return hosts
 
 
@@ -479,7 +480,6 @@ def check_reachable(path: Path, hosts: list[str]) -> None:
             raise UserError(f"--hostfile {path}: host {host} does not answer passwordless ssh ({why}); DeepSpeed starts a rank there over ssh")
     if shutil.which("pdsh") is None:
         raise UserError(f"--hostfile {path}: DeepSpeed starts the ranks with pdsh, which is not installed here (Debian: apt-get install pdsh)")
-
 
 
 def node_hostfile(nodes: int, per_node: int) -> Path:

@@ -139,7 +139,7 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     if args.node_rank > 0 and args.run_id is None:
         raise UserError(f"node {args.node_rank} joins the run node 0 opened: give its --run-id (node 0 prints the command)")
     if args.hostfile is not None:
-        launch.check_hostfile(args.hostfile, count)
+        launch.check_hostfile(args.hostfile, count, workers // count)
         hostfile = args.hostfile
     else:
         hostfile = launch.node_hostfile(count, workers // count)
