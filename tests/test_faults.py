@@ -879,6 +879,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29600"),
         "--node-rank, --master-addr, --master-port start one node of a job on several hosts; --nodes 1 is a job on this host alone",
     ),
+    "probe --hostfile without a compressed candidate": (
+        lambda tmp: ("probe", "--preset", "tiny", "--set", "probe.candidates=[{arm: control, microbatch: 4}]", "--hostfile", _hostfile(tmp, "a slots=1\nb slots=1\n")),
+        "--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate",
+    ),
     "hostfile: missing": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(tmp / "nope")), "no such file"),
     "hostfile: a folder": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(_a_folder(tmp, "hosts"))), "/hosts: a folder, not a file"),
     "probe's hostfile: a line that is no host": (

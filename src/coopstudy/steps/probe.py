@@ -192,7 +192,9 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     candidates = _candidates(cfg)
     arms = tuple(sorted({c.arm for c, _ in candidates}))
-    if args.hostfile is not None and "compressed" in arms:
+    if args.hostfile is not None:
+        if "compressed" not in arms:
+            raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
         launch.check_reachable(args.hostfile, launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers))
     console = ui.console(140)
     devices = launch.devices_of(cfg, arms, args.hostfile)
