@@ -279,12 +279,24 @@ def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(
     assert said.startswith("RuntimeError: Connection closed by peer"), said
 
 
+def _worker_main(arm: str) -> tuple:
+    """A rank's main, in this process, on a fresh run of its own (its `train` patched by the caller): the run and the exit code."""
+    client = store.client()
+    run = client.create_run(client.create_experiment(f"worker-main-{time.monotonic_ns()}"))
+    args = argparse.Namespace(
+        run_id=run.info.run_id, arm=arm, config=launch.encode_config(config.load("tiny")), allocator=worker.TRAINING_ALLOCATOR,
+        updates=None, no_checkpoint=False, probe=False, capacity_mb=None,
+    )  # fmt: skip
+    before = signal.getsignal(signal.SIGTERM)  # the worker's main installs its own
+    try:
+        return run, worker.main(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_traceback(monkeypatch, capsys):
     # A SIGTERM inside the SQL store's session comes out as MlflowException raised from it.
     from mlflow.exceptions import MlflowException
-
-    client = store.client()
-    run = client.create_run(client.create_experiment("stop-in-write"))
 
     def stopped_while_writing(*args, **kwargs):
         try:
@@ -293,19 +305,11 @@ def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_tracebac
             raise MlflowException(str(err)) from err
 
     monkeypatch.setattr(worker, "train", stopped_while_writing)
-    before = signal.getsignal(signal.SIGTERM)
-    args = argparse.Namespace(
-        run_id=run.info.run_id, arm="control", config=launch.encode_config(config.load("tiny")), allocator=worker.TRAINING_ALLOCATOR,
-        updates=None, no_checkpoint=False, probe=False, capacity_mb=None,
-    )  # fmt: skip
-    try:
-        code = worker.main(args)
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    run, code = _worker_main("control")
     assert code == 128 + signal.SIGTERM
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("coopstudy worker (control, rank 0): stopped by SIGTERM"), line
-    said = client.get_run(run.info.run_id).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
+    said = store.client().get_run(run.info.run_id).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
     assert said.startswith("Stopped: stopped by SIGTERM"), said
 
 
@@ -320,18 +324,8 @@ def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
         except requests.exceptions.ConnectionError:
             raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/search failed") from None
 
-    client = store.client()
-    run = client.create_run(client.create_experiment("outage-at-start"))
     monkeypatch.setattr(worker, "train", no_server)
-    before = signal.getsignal(signal.SIGTERM)
-    args = argparse.Namespace(
-        run_id=run.info.run_id, arm="compressed", config=launch.encode_config(config.load("tiny")), allocator=worker.TRAINING_ALLOCATOR,
-        updates=None, no_checkpoint=False, probe=False, capacity_mb=None,
-    )  # fmt: skip
-    try:
-        code = worker.main(args)
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    _, code = _worker_main("compressed")
     assert code == 2
     assert capsys.readouterr().err.splitlines() == ["coopstudy worker (compressed, rank 0): the tracking server stopped answering (connection refused)"]
     # A stage's error that wraps it is said the same way.
