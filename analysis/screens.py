@@ -152,7 +152,7 @@ def gain_sensitivity(
 
     With no discordant case the observed standard error is 0, which would put
     the band at the threshold itself; the standard error Tango's interval
-    implies (half-width / z of the level) stands in, and the note says so."""
+    implies (half-width / z of the level) stands in, and `se_from` says so."""
     discordant = table.n10 + table.n01
     half = (tango.upper - tango.lower) / 2
     se = stats.paired_se(table) if discordant else half / float(sps.norm.ppf((1 + level) / 2))
@@ -477,11 +477,11 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
         for c in BYTES_PER_WORKER:
             figures[f"{c}_all_workers"] = None if count is None or figures[c] is None else figures[c] * count
         if figures["bytes_total_all_workers"] is not None:
-            setup = figures["bytes_setup"]
-            # Without bytes/setup (an older record) only one worker's total is exact.
-            figures["bytes_total_all_workers"] = (
-                figures["bytes_total_all_workers"] - (count - 1) * setup if setup is not None else None if count > 1 else figures["bytes_total"]
-            )
+            if figures["bytes_setup"] is not None:
+                figures["bytes_total_all_workers"] -= (count - 1) * figures["bytes_setup"]
+            elif count > 1:
+                # An older record, without bytes/setup: several workers' total is not known.
+                figures["bytes_total_all_workers"] = None
         arms[arm] = {"run_id": str(row["run_id"])} | figures
     control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
     ratio = compressed / control if control and compressed is not None else None
