@@ -61,27 +61,33 @@ maximum: the records in between go straight to the file and cost the loop nothin
 _checked: dict[tuple[str, str], str] = {}
 
 
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the errors it was raised from or while handling, outermost first.
+    MLflow wraps the requests error in an MlflowException without `from`, so the
+    cause may be only on __context__; a stage's error may wrap what its process saw."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
 def is_outage(err: BaseException) -> bool:
     """True when the server could not be reached or did not answer in time (the request may be
     repeated later); False for an answer that refused the request (it would be refused again)."""
     import requests
 
-    seen: BaseException | None = err
-    while seen is not None:
-        # MLflow wraps the requests error in an MlflowException without `from`, so the
-        # cause is only on __context__.
-        if isinstance(seen, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    lost = (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
+    return any(isinstance(seen, lost) for seen in _chain(err))
 
 
 def reason(err: BaseException) -> str:
     """The error in a few words (MLflow's own message repeats the whole URL chain),
-    read down its chain: a stage's error may wrap what its process saw."""
-    seen: BaseException | None = err
-    while seen is not None:
-        text, last = str(seen), seen
+    read down its chain."""
+    chain = _chain(err)
+    for seen in chain:
+        text = str(seen)
         for marker, words in (
             ("Connection refused", "connection refused"),
             ("Name or service not known", "unknown host"),
@@ -93,8 +99,7 @@ def reason(err: BaseException) -> str:
         ):
             if marker in text:
                 return words
-        seen = seen.__cause__ or seen.__context__
-    return type(last).__name__
+    return type(chain[-1]).__name__
 
 
 def explain(err: BaseException, uri: str, experiment: str) -> str:

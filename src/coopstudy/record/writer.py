@@ -282,7 +282,11 @@ def _launching_run() -> tuple[Any, Any] | None:
 def launching_entry_point() -> str | None:
     """The MLproject entry point `mlflow run` started this process as, or None."""
     launching = _launching_run()
-    return None if launching is None else launching[1].data.tags.get("mlflow.project.entryPoint")
+    if launching is None:
+        return None
+    from mlflow.utils.mlflow_tags import MLFLOW_PROJECT_ENTRY_POINT
+
+    return launching[1].data.tags.get(MLFLOW_PROJECT_ENTRY_POINT)
 
 
 def mark_refused(name: str, err: BaseException) -> None:

@@ -458,13 +458,14 @@ def check_hostfile(path: Path, needed: int, per_host: int = 1) -> list[str]:
 
 
 SSH_TIMEOUT_S = 10
-"""How long `check_reachable` waits for a host to accept ssh."""
+"""How long `check_ssh_hostfile` waits for a host to accept ssh."""
 
 
-def check_reachable(path: Path, hosts: list[str]) -> None:
-    """Refuse hosts DeepSpeed could not start a rank on, before any run opens:
-    it reaches them with pdsh over passwordless ssh, and says it with a
-    traceback after the stage has started."""
+def check_ssh_hostfile(path: Path, needed: int) -> list[str]:
+    """check_hostfile, and refuse hosts DeepSpeed could not start a rank on,
+    before any run opens: it reaches them with pdsh over passwordless ssh, and
+    says it with a traceback after the stage has started."""
+    hosts = check_hostfile(path, needed)
     for host in hosts:
         try:
             done = subprocess.run(
@@ -480,6 +481,7 @@ def check_reachable(path: Path, hosts: list[str]) -> None:
             raise UserError(f"--hostfile {path}: host {host} does not answer passwordless ssh ({why}); DeepSpeed starts a rank there over ssh")
     if shutil.which("pdsh") is None:
         raise UserError(f"--hostfile {path}: DeepSpeed starts the ranks with pdsh, which is not installed here (Debian: apt-get install pdsh)")
+    return hosts
 
 
 def node_hostfile(nodes: int, per_node: int) -> Path:

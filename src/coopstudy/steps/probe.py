@@ -195,7 +195,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.hostfile is not None:
         if "compressed" not in arms:
             raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
-        launch.check_reachable(args.hostfile, launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers))
+        launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     console = ui.console(140)
     devices = launch.devices_of(cfg, arms, args.hostfile)
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:

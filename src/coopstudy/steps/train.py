@@ -202,7 +202,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.hostfile is not None and nodes is None:
         if "compressed" not in arms:
             raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
-        launch.check_reachable(args.hostfile, launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers))
+        launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
     holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset_argument}"
     # A SIGTERM or SIGHUP anywhere in the stage ends it as Ctrl-C does: the
