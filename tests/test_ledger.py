@@ -105,6 +105,30 @@ def test_a_failed_append_leaves_no_half_line(ledger, monkeypatch):
     assert [e.digest for e in ledger.entries()] == ["d1", "d2", "d3"]
 
 
+def test_a_disk_that_fills_up_mid_line_leaves_no_half_line(ledger, monkeypatch):
+    import os as os_mod
+
+    real_write = os_mod.write
+    calls = []
+
+    def half_then_full(fd, data):
+        # What a filling disk does: a short write, then ENOSPC for the rest.
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os_mod, "write", half_then_full)
+        with pytest.raises(OSError, match="No space left"):
+            ledger.append("plan", "c", "d4")
+    assert len(calls) == 2
+    assert ledger.path.read_bytes().endswith(b"\n")
+    assert [e.digest for e in ledger.entries()] == ["d1", "d2", "d3"]
+    ledger.append("plan", "c", "d4")
+    assert [e.digest for e in ledger.entries()] == ["d1", "d2", "d3", "d4"]
+
+
 # --- the ledger against the record ------------------------------------------
 
 

@@ -148,17 +148,22 @@ class Ledger:
             }
             entry = Entry(**body, hash=_entry_hash(body))
             line = json.dumps(body | {"hash": entry.hash}, sort_keys=True) + "\n"
-            size = os.fstat(fh.fileno()).st_size
+            fd = fh.fileno()
+            size = os.fstat(fd).st_size
+            # Written past the file object's buffer: a buffered write that fails
+            # part-way keeps the rest to flush again on truncate and on close,
+            # which on a full disk would leave the half line the truncate undoes.
+            rest = line.encode()
             try:
                 # One line, on disk before the commitment is reported anywhere.
-                fh.write(line)
-                fh.flush()
-                os.fsync(fh.fileno())
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+                os.fsync(fd)
             except BaseException:
                 # A disk that filled up mid-line (or an interrupt) leaves no half
                 # entry behind to break the chain for every later step.
                 with contextlib.suppress(OSError):
-                    fh.truncate(size)
+                    os.ftruncate(fd, size)
                 raise
         return entry
 
