@@ -10,7 +10,7 @@ import yaml
 import pytest
 from fixtures import run_cli
 
-from coopstudy import config, workspace
+from coopstudy import config, errors, workspace
 from coopstudy.errors import UserError
 from coopstudy.record import outbox, schema, store, writer
 
@@ -170,6 +170,38 @@ def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
     assert f"line 2 of {path} is not a record" in done.stderr and "delivered 2 waiting records" in done.stderr, done.stderr
     assert client.get_run(run_id).data.metrics == {schema.M_LOSS: 2.5, schema.M_GRAD_NORM: 0.5}
     assert not path.exists() and '"metr' in path.with_suffix(".rejected").read_text()
+
+
+def test_a_stop_while_waiting_records_are_delivered_keeps_the_rest_waiting(monkeypatch, capsys):
+    """A rank stopped (SIGTERM) while it delivers: the record cut short and those
+    behind it stay in the outbox, none is filed as refused, and the stop goes on."""
+    from mlflow.exceptions import MlflowException
+
+    client = store.client()
+    run_id = client.create_run(store.experiment_id()).info.run_id
+    box = outbox.Outbox(run_id, store.tracking_uri(), client)
+    for step, value in enumerate((2.5, 2.0, 1.5)):
+        box._keep({"op": "batch", "metrics": [[schema.M_LOSS, value, 0, step]]})
+    deliver = outbox.apply
+
+    def stopped_at_the_second(client, run_id, record):
+        if record["metrics"][0][3] == 1:
+            # What MLflow makes of a SIGTERM that lands inside its request.
+            raise MlflowException("API request failed") from errors.Stopped("stopped by SIGTERM")
+        deliver(client, run_id, record)
+
+    monkeypatch.setattr(outbox, "apply", stopped_at_the_second)
+    with pytest.raises(MlflowException):
+        box.deliver()
+    assert [json.loads(line)["metrics"][0][3] for line in box.path.read_text().splitlines()] == [1, 2]
+    assert not box.rejected.exists()
+    # The same stop during the drain at the process's exit is said, not a traceback.
+    assert box.finish() is False
+    said = capsys.readouterr().err
+    assert f"run {run_id} is INCOMPLETE on {store.tracking_uri()}: stopped while its records were delivered (stopped by SIGTERM); 2 records" in said, said
+    monkeypatch.setattr(outbox, "apply", deliver)
+    assert box.deliver() and not box.path.exists()
+    assert [m.value for m in client.get_metric_history(run_id, schema.M_LOSS)] == [2.5, 2.0, 1.5]
 
 
 @pytest.mark.parametrize("text", ["", "garbage\n", '{"op": "batch"}\n'])

@@ -14,6 +14,11 @@ class RefusedError(UserError):
     """A stage refused to run: a commitment it depends on is missing or changed."""
 
 
+class Stopped(Exception):
+    """The process was asked to stop (SIGTERM): the launcher stops every rank
+    once one has failed, and the stage stops its processes when it is stopped."""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -82,6 +82,12 @@ def is_outage(err: BaseException) -> bool:
     return any(isinstance(seen, lost) for seen in _chain(err))
 
 
+def _interruption(err: BaseException) -> BaseException | None:
+    """The stop behind `err` when the process was stopped while it sent (MLflow
+    may wrap it): the record was not refused, and the process must stop, not go on."""
+    return next((seen for seen in _chain(err) if isinstance(seen, (errors.Stopped, KeyboardInterrupt, SystemExit))), None)
+
+
 def reason(err: BaseException) -> str:
     """The error in a few words (MLflow's own message repeats the whole URL chain),
     read down its chain."""
@@ -404,21 +410,30 @@ class Outbox:
             for sent, record in enumerate(records):
                 try:
                     apply(self.client, self.run_id, record)
-                except Exception as err:
-                    if not is_outage(err):
+                except BaseException as err:
+                    if isinstance(err, Exception) and not is_outage(err) and not _interruption(err):
                         self._reject(record, err)
                         continue
+                    # Only the undelivered rest stays, so nothing is sent twice; a stop
+                    # keeps the one it cut short too, as it may not have reached the server.
+                    self._rewrite(records[sent:])
+                    if not is_outage(err):
+                        raise
                     self._went_away(err)
-                    # Only the undelivered rest stays, so nothing is sent twice.
-                    fh.seek(0)
-                    fh.truncate()
-                    fh.writelines(json.dumps(r) + "\n" for r in records[sent:])
                     return False
             os.unlink(self.path)
         self._interval = RETRY_FIRST_S
         if records:
             print(f"coopstudy: delivered {len(records)} waiting records of run {self.run_id} ({describe(records)}) to {self.uri}", file=sys.stderr, flush=True)
         return True
+
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        # Whole or not at all: a stop between emptying the file and writing it again
+        # would lose every record. Waiting processes see the new file (`_locked`).
+        fresh = self.path.with_suffix(".new")
+        with open(fresh, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(fresh, self.path)
 
     def _reject(self, record: dict[str, Any], err: BaseException) -> None:
         # The server answered and refused it: sending it again would be refused again,
@@ -444,13 +459,21 @@ class Outbox:
         True when nothing waits."""
         if self.path in Outbox._reported:
             return False
-        if self.settle():
-            return True
+        why = "the server did not come back"
+        try:
+            if self.settle():
+                return True
+        except BaseException as err:
+            # A stop during the drain at a process's exit: what waits is kept, and said.
+            stop = _interruption(err)
+            if stop is None:
+                raise
+            why = f"stopped while its records were delivered ({errors.first_line(stop)})"
         Outbox._reported.add(self.path)
         with self._locked() as fh:
             records = self._read(fh)
         print(
-            f"coopstudy: run {self.run_id} is INCOMPLETE on {self.uri}: the server did not come back; "
+            f"coopstudy: run {self.run_id} is INCOMPLETE on {self.uri}: {why}; "
             f"{len(records)} records ({describe(records)}) are kept in {self.path} on {socket.gethostname()}. "
             f"Deliver them when it answers: python -m coopstudy remote deliver {self.run_id}",
             file=sys.stderr,

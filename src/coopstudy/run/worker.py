@@ -44,7 +44,7 @@ import torch
 from coopstudy import errors, machine, ui, workspace
 from coopstudy.commit import require
 from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
-from coopstudy.errors import UserError
+from coopstudy.errors import Stopped, UserError
 from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, flops, objective, update
 from coopstudy.record import outbox, schema, writer
@@ -82,11 +82,6 @@ class _Pending:
         """The last write, of whatever waits."""
         if self.waiting:
             self.write()
-
-
-class Stopped(Exception):
-    """The process was asked to stop (SIGTERM): the launcher stops every rank
-    once one has failed, and the stage stops its processes when it is stopped."""
 
 
 def train(
