@@ -539,6 +539,8 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     # The ranks were asked to stop; what they said of it on the run says so.
     said = [ended.data.tags[k] for k in ended.data.tags if k.startswith(schema.TAG_WORKER_ERROR_PREFIX)]
     assert said and all(s.startswith("Stopped: stopped by SIGTERM") for s in said), said
+    # What rank 0 measured before the stop (update 1 at least) reached the run.
+    assert _client(ends_store).get_metric_history(run.info.run_id, schema.M_LOSS)
     # No checkpoint taken for final: none recorded, none on disk, and select refuses the run.
     assert schema.TAG_CHECKPOINT_SHA not in ended.data.tags
     assert not (ends_store.home / "checkpoints" / run.info.run_id).exists()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import mlflow
+import pytest
 from fixtures import faults_of_a_large_tensor_made_again
 
 from coopstudy import config, machine
@@ -207,3 +209,12 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_proce
     finally:
         holding.kill()
         holding.wait()
+
+
+def test_a_sighup_of_a_stage_stops_it_as_a_sigterm_does():
+    # A closed terminal (SIGHUP) ends a stage as `kill PID` does; the CLI runs of that are test_faults'.
+    with pytest.raises(launch.Terminated, match="^stopped by SIGHUP; every process it launched was stopped too$"):
+        with launch.stopping():
+            os.kill(os.getpid(), signal.SIGHUP)
+            signal.pause()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL

@@ -234,7 +234,8 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     assert "rank 1 recorded no error" in error, error
     assert f"{schema.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
     assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
-    assert len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
+    # What rank 0 measured before it failed (update 1 at least) reached the run.
+    assert 1 <= len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
     assert schema.TAG_CHECKPOINT_SHA not in failed.data.tags
     # Nothing keeps the devices once the job is gone, and it left nothing to recover.
     with lock.device_lock(launch.local_devices(2), "after"):
@@ -311,6 +312,22 @@ def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_tracebac
     assert line.startswith("coopstudy worker (control, rank 0): stopped by SIGTERM"), line
     said = store.client().get_run(run.info.run_id).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}0"]
     assert said.startswith("Stopped: stopped by SIGTERM"), said
+
+
+def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, capsys):
+    # SIGTERM while rank 0 uploads the checkpoint it has just saved and verified.
+    saved = []
+
+    def stopped_while_uploading(rec, summary, counter, checkpoint, *, cuda):
+        saved.append(checkpoint.folder)
+        assert checkpoint.folder.is_dir()
+        worker._on_sigterm(signal.SIGTERM, None)
+
+    monkeypatch.setattr(worker, "_record_run", stopped_while_uploading)
+    run, code = _worker_main("control")
+    assert code == 128 + signal.SIGTERM, capsys.readouterr().err[-3000:]
+    assert saved == [workspace.home() / "checkpoints" / run.info.run_id] and not saved[0].exists()
+    assert schema.TAG_CHECKPOINT_PATH not in store.client().get_run(run.info.run_id).data.tags
 
 
 def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):

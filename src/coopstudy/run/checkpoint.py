@@ -85,6 +85,11 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
     return Saved(folder=folder, sha256=digest, seconds=time.perf_counter() - start)
 
 
+def withdraw(saved: Saved) -> None:
+    """Remove a saved checkpoint whose run then failed: nothing at its name."""
+    shutil.rmtree(saved.folder, ignore_errors=True)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
