@@ -51,6 +51,7 @@ from coopstudy import cli, config, workspace
 from coopstudy.commit import ledger, plan, receipts
 from coopstudy.inputs import data
 from coopstudy.record import schema
+from coopstudy.record import store as mlflow_store
 from coopstudy.run import launch
 
 pytestmark = pytest.mark.slow
@@ -706,6 +707,41 @@ def test_node_0_whose_other_node_never_joins_fails_in_one_line_naming_the_rendez
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     (run,) = _runs(store, "attributes.run_name = 'train-compressed-tiny'")
     assert run.info.status == "FAILED"
+
+
+def test_node_1_refuses_a_run_it_cannot_join_in_one_line_and_says_so_on_that_run(planned_store, tmp_path):
+    store = planned_store.copy(tmp_path / "store")
+    client = _client(store)
+    experiment = client.get_experiment_by_name("coopstudy").experiment_id
+    tiny = mlflow_store.config_sha256(config.load("tiny"))
+
+    def node_1(run_id: str) -> str:
+        done = run_cli("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "1", "--master-addr",
+                       "127.0.0.1", "--master-port", "29500", "--run-id", run_id, env=store.env())  # fmt: skip
+        assert done.returncode == 2, done.stderr[-3000:]
+        (line,) = done.stderr.strip().splitlines()
+        return line
+
+    def train_run(status: str, config_sha: str) -> str:
+        tags = {schema.TAG_STAGE: schema.STAGE_TRAIN, schema.TAG_ARM: "compressed", schema.TAG_CONFIG_SHA: config_sha}
+        run_id = client.create_run(experiment, tags=tags).info.run_id
+        if status != "RUNNING":
+            client.set_terminated(run_id, status)
+        return run_id
+
+    missing = "0" * 32
+    assert node_1(missing) == (f"coopstudy train: error: --run-id {missing}: no such run in the record {store.tracking_uri}; "
+                               "copy the id node 0 printed")  # fmt: skip
+    finished = train_run("FINISHED", tiny)
+    said = f"--run-id {finished} is FINISHED, not RUNNING: start node 0 again and join the run it prints"
+    assert node_1(finished) == f"coopstudy train: error: {said}"
+    # Kept on the run as node 1's ranks' errors, where node 0's failure reads them.
+    assert client.get_run(finished).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}1"] == f"UserError: node 1: {said}"
+    other = train_run("RUNNING", "ab" * 32)
+    assert node_1(other).startswith(f"coopstudy train: error: --run-id {other} runs another config (sha256 abababababab, this one {tiny[:12]}): "
+                                    "give node 1 the same --preset and --set overrides as node 0")  # fmt: skip
+    assert client.get_run(other).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}1"].startswith("UserError: node 1: ")
+    assert [r.info.run_id for r in _runs(store, "attributes.run_name = 'train-compressed-tiny'")] == []
 
 
 def test_two_trains_at_once_one_proceeds_the_other_refuses_in_one_line(planned_store, tmp_path):
