@@ -29,8 +29,9 @@ import pytest
 from fixtures import ROOT, checkout_copy
 from mlflow.entities import ViewType
 
-from coopstudy import workspace
+from coopstudy import config, workspace
 from coopstudy.commit import ledger
+from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
 
 pytestmark = pytest.mark.slow
@@ -228,6 +229,32 @@ def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tm
     assert sorted(m.step for m in client.get_metric_history(run_id, schema.M_LOSS)) == [1, 2, 3, 4, 5]
     assert run.data.tags["kept"] == "yes" and run.info.status == "FINISHED"
     assert not outbox.exists()
+
+
+def test_a_stage_whose_server_stops_answering_ends_in_one_line_and_its_end_waits(server, tmp_path, monkeypatch, http_defaults):
+    # Step 4 of the README's outage: a stage needs an answer (here a search) while the server is down.
+    monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COOPSTUDY_OUTBOX_GRACE_S", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    try:
+        with pytest.raises(UserError) as stopped:
+            with writer.stage_run(schema.STAGE_SELECT, config.load("tiny")) as rec:
+                server.stop(signal.SIGKILL)
+                store.search_runs("coopstudy", f"tags.`{schema.TAG_STAGE}` = 'train'")
+    finally:
+        server.start()
+    waiting = tmp_path / "home" / "outbox"
+    assert str(stopped.value) == (
+        f"the tracking server {server.uri} stopped answering (connection refused); run {rec.run_id} ended FAILED; "
+        f"what it could not record waits in {waiting} (`python -m coopstudy remote deliver` sends it)"
+    )
+    assert (waiting / f"{rec.run_id}.jsonl").is_file()
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "remote", "deliver", rec.run_id], cwd=ROOT, env={**os.environ},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = server.client().get_run(rec.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags[schema.TAG_ERROR] == "the tracking server stopped answering (connection refused)"
 
 
 def test_training_goes_on_through_a_server_outage_and_keeps_every_update(server, study, tmp_path):

@@ -333,6 +333,9 @@ def _end(rec: Recorder, status: str) -> bool:
 def _record_failure(rec: Recorder, err: BaseException) -> None:
     # Ctrl-C raises a KeyboardInterrupt that says nothing: said as the stages that launch processes say it.
     why = str(err) or (INTERRUPTED if isinstance(err, KeyboardInterrupt) else type(err).__name__)
+    if outbox.is_outage(err):
+        # As the stage's line says it, not MLflow's request chain (the traceback keeps that).
+        why = f"the tracking server stopped answering ({outbox.reason(err)})"
     try:
         rec.set_tags({schema.TAG_ERROR: why[:MAX_TAG_CHARS], schema.TAG_ERROR_KIND: type(err).__name__})
         rec.log_text("".join(traceback.format_exception(err)), schema.ART_ERROR)
