@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlflow
@@ -213,8 +214,13 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_proce
 
 def test_a_sighup_of_a_stage_stops_it_as_a_sigterm_does():
     # A closed terminal (SIGHUP) ends a stage as `kill PID` does; the CLI runs of that are test_faults'.
-    with pytest.raises(launch.Terminated, match="^stopped by SIGHUP; every process it launched was stopped too$"):
-        with launch.stopping():
-            os.kill(os.getpid(), signal.SIGHUP)
-            signal.pause()
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    # Under nohup SIGHUP is ignored, and `stopping` leaves it so: here it is not.
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(launch.Terminated, match="^stopped by SIGHUP; every process it launched was stopped too$"):
+            with launch.stopping():
+                os.kill(os.getpid(), signal.SIGHUP)
+                time.sleep(5)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import mlflow
@@ -13,6 +14,7 @@ from fixtures import run_cli
 from coopstudy import config, errors, workspace
 from coopstudy.errors import UserError
 from coopstudy.record import outbox, schema, store, writer
+from coopstudy.run import worker
 
 
 def test_uri_precedence(monkeypatch, tmp_path):
@@ -186,22 +188,52 @@ def test_a_stop_while_waiting_records_are_delivered_keeps_the_rest_waiting(monke
 
     def stopped_at_the_second(client, run_id, record):
         if record["metrics"][0][3] == 1:
-            # What MLflow makes of a SIGTERM that lands inside its request.
-            raise MlflowException("API request failed") from errors.Stopped("stopped by SIGTERM")
+            try:
+                worker._on_sigterm(signal.SIGTERM, None)
+            except errors.Stopped:
+                # What MLflow's HTTP client makes of it: its own error, the stop only its context.
+                raise MlflowException("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed")  # noqa: B904
         deliver(client, run_id, record)
 
     monkeypatch.setattr(outbox, "apply", stopped_at_the_second)
-    with pytest.raises(MlflowException):
+    with pytest.raises(MlflowException) as stopped:
         box.deliver()
+    # Its cause is the stop, which a rank tells in one line (worker._known_cause).
+    assert isinstance(stopped.value.__cause__, errors.Stopped)
     assert [json.loads(line)["metrics"][0][3] for line in box.path.read_text().splitlines()] == [1, 2]
-    assert not box.rejected.exists()
-    # The same stop during the drain at the process's exit is said, not a traceback.
-    assert box.finish() is False
+    assert not box.rejected.exists() and not box.path.with_suffix(".new").exists()
+    # The same stop at a run's end is said, and still stops; at a process's exit it ends there.
+    with pytest.raises(MlflowException):
+        box.finish()
     said = capsys.readouterr().err
-    assert f"run {run_id} is INCOMPLETE on {store.tracking_uri()}: stopped while its records were delivered (stopped by SIGTERM); 2 records" in said, said
+    assert f"run {run_id} is INCOMPLETE on {store.tracking_uri()}: stopped while its records were delivered (stopped by SIGTERM" in said, said
+    outbox.Outbox._reported.discard(box.path)
+    box._finish_at_exit()
+    assert "INCOMPLETE" in capsys.readouterr().err
     monkeypatch.setattr(outbox, "apply", deliver)
     assert box.deliver() and not box.path.exists()
     assert [m.value for m in client.get_metric_history(run_id, schema.M_LOSS)] == [2.5, 2.0, 1.5]
+
+
+def test_a_record_refused_while_a_stop_is_handled_is_still_a_refusal(monkeypatch, capsys):
+    # A rank records its error after a SIGTERM: the server's refusal then is no stop of the send.
+    from mlflow.exceptions import MlflowException
+
+    client = store.client()
+    run_id = client.create_run(store.experiment_id()).info.run_id
+    box = outbox.Outbox(run_id, store.tracking_uri(), client)
+    box._keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
+
+    def refused(client, run_id, record):
+        raise MlflowException("INVALID_PARAMETER_VALUE: refused")
+
+    monkeypatch.setattr(outbox, "apply", refused)
+    try:
+        raise errors.Stopped("stopped by SIGTERM")
+    except errors.Stopped:
+        assert box.deliver()
+    assert "the server refused a waiting record" in capsys.readouterr().err
+    assert box.rejected.is_file() and not box.path.exists()
 
 
 @pytest.mark.parametrize("text", ["", "garbage\n", '{"op": "batch"}\n'])

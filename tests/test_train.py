@@ -22,7 +22,7 @@ from fixtures import ROOT, module_store, run_cli
 from coopstudy import config, study, workspace
 from coopstudy.errors import RefusedError
 from coopstudy.record import outbox, schema, store, writer
-from coopstudy.run import launch, lock, worker
+from coopstudy.run import checkpoint, launch, lock, worker
 
 pytestmark = pytest.mark.slow
 
@@ -315,18 +315,17 @@ def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_tracebac
 
 
 def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, capsys):
-    # SIGTERM while rank 0 uploads the checkpoint it has just saved and verified.
+    # Rank 0 has saved and verified the checkpoint; SIGTERM lands before its upload (as the
+    # gathers wait for the other ranks, or a rank that failed then stops them all).
     saved = []
-
-    def stopped_while_uploading(rec, summary, counter, checkpoint, *, cuda):
-        saved.append(checkpoint.folder)
-        assert checkpoint.folder.is_dir()
-        worker._on_sigterm(signal.SIGTERM, None)
-
-    monkeypatch.setattr(worker, "_record_run", stopped_while_uploading)
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *args: saved.append(save(*args)) or saved[-1])
+    monkeypatch.setattr(worker, "_gather_peak_memory", lambda ctx: worker._on_sigterm(signal.SIGTERM, None))
     run, code = _worker_main("control")
     assert code == 128 + signal.SIGTERM, capsys.readouterr().err[-3000:]
-    assert saved == [workspace.home() / "checkpoints" / run.info.run_id] and not saved[0].exists()
+    (kept,) = saved
+    assert kept.folder == workspace.home() / "checkpoints" / run.info.run_id
+    assert not kept.folder.exists() and not list(kept.folder.parent.glob(".tmp-*"))
     assert schema.TAG_CHECKPOINT_PATH not in store.client().get_run(run.info.run_id).data.tags
 
 

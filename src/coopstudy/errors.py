@@ -2,6 +2,10 @@
 other exception is a bug and keeps its traceback."""
 
 
+INTERRUPTED = "interrupted (SIGINT)"
+"""How a stop by Ctrl-C is told (its KeyboardInterrupt says nothing)."""
+
+
 class UserError(Exception):
     """Bad input, a missing prerequisite or a refused action."""
 

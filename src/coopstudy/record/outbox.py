@@ -61,13 +61,14 @@ maximum: the records in between go straight to the file and cost the loop nothin
 _checked: dict[tuple[str, str], str] = {}
 
 
-def _chain(err: BaseException) -> list[BaseException]:
-    """`err` and the errors it was raised from or while handling, outermost first.
+def _chain(err: BaseException, outer: BaseException | None = None) -> list[BaseException]:
+    """`err` and the errors it was raised from or while handling, outermost first,
+    down to `outer` (the error being handled where `err` was raised: not its cause).
     MLflow wraps the requests error in an MlflowException without `from`, so the
     cause may be only on __context__; a stage's error may wrap what its process saw."""
     chain: list[BaseException] = []
     seen: BaseException | None = err
-    while seen is not None:
+    while seen is not None and seen is not outer:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     return chain
@@ -82,10 +83,19 @@ def is_outage(err: BaseException) -> bool:
     return any(isinstance(seen, lost) for seen in _chain(err))
 
 
-def _interruption(err: BaseException) -> BaseException | None:
+def _interruption(err: BaseException, outer: BaseException | None = None) -> BaseException | None:
     """The stop behind `err` when the process was stopped while it sent (MLflow
-    may wrap it): the record was not refused, and the process must stop, not go on."""
-    return next((seen for seen in _chain(err) if isinstance(seen, (errors.Stopped, KeyboardInterrupt, SystemExit))), None)
+    may wrap it): the record was not refused, and the process must stop, not go on.
+    `outer`: the error its caller was handling, which did not interrupt the send."""
+    stops = (errors.Stopped, KeyboardInterrupt, SystemExit)
+    return next((seen for seen in _chain(err, outer) if isinstance(seen, stops)), None)
+
+
+def _raise_as_stop(err: BaseException, stop: BaseException) -> None:
+    # With the stop as its cause: a rank tells a stop in one line by its causes.
+    if stop is err:
+        raise err
+    raise err from stop
 
 
 def reason(err: BaseException) -> str:
@@ -325,13 +335,20 @@ class Outbox:
         if self.path.exists() and not (time.monotonic() >= self._retry_at and self.deliver()):
             self._keep(record)
             return
+        outer = sys.exception()
         try:
             apply(self.client, self.run_id, record)
+            return
         except Exception as err:
+            stop = _interruption(err, outer)
+            if stop is not None:
+                _raise_as_stop(err, stop)
             if not is_outage(err):
                 raise
-            self._went_away(err)
-            self._keep(record)
+            lost = err
+        # Kept outside the handler: a failure to keep it (a full disk) is not the outage.
+        self._went_away(lost)
+        self._keep(record)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[IO[str]]:
@@ -363,7 +380,7 @@ class Outbox:
             fh.flush()
         if not self._exit_hook:
             # A training process has no stage around it: its exit is its run's end.
-            atexit.register(self.finish)
+            atexit.register(self._finish_at_exit)
             self._exit_hook = True
 
     def _went_away(self, err: BaseException) -> None:
@@ -405,18 +422,22 @@ class Outbox:
         """Send every waiting record in order; True when none is left."""
         if not self.path.exists():
             return True
+        outer = sys.exception()
         with self._locked() as fh:
             records = self._read(fh)
             for sent, record in enumerate(records):
                 try:
                     apply(self.client, self.run_id, record)
                 except BaseException as err:
-                    if isinstance(err, Exception) and not is_outage(err) and not _interruption(err):
+                    stop = _interruption(err, outer)
+                    if isinstance(err, Exception) and stop is None and not is_outage(err):
                         self._reject(record, err)
                         continue
                     # Only the undelivered rest stays, so nothing is sent twice; a stop
                     # keeps the one it cut short too, as it may not have reached the server.
                     self._rewrite(records[sent:])
+                    if stop is not None:
+                        _raise_as_stop(err, stop)
                     if not is_outage(err):
                         raise
                     self._went_away(err)
@@ -431,9 +452,15 @@ class Outbox:
         # Whole or not at all: a stop between emptying the file and writing it again
         # would lose every record. Waiting processes see the new file (`_locked`).
         fresh = self.path.with_suffix(".new")
-        with open(fresh, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in records)
-        os.replace(fresh, self.path)
+        try:
+            with open(fresh, "w") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in records)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(fresh, self.path)
+        except BaseException:
+            fresh.unlink(missing_ok=True)
+            raise
 
     def _reject(self, record: dict[str, Any], err: BaseException) -> None:
         # The server answered and refused it: sending it again would be refused again,
@@ -456,19 +483,33 @@ class Outbox:
     def finish(self) -> bool:
         """The run's end: settle, and say plainly what is still waiting and how to send it
         (once per process: the exit of a process whose stage already said it stays quiet).
-        True when nothing waits."""
+        True when nothing waits. A stop meanwhile is said the same way, then goes on."""
         if self.path in Outbox._reported:
             return False
-        why = "the server did not come back"
+        outer = sys.exception()
         try:
             if self.settle():
                 return True
         except BaseException as err:
-            # A stop during the drain at a process's exit: what waits is kept, and said.
-            stop = _interruption(err)
+            stop = _interruption(err, outer)
             if stop is None:
                 raise
-            why = f"stopped while its records were delivered ({errors.first_line(stop)})"
+            words = errors.INTERRUPTED if isinstance(stop, KeyboardInterrupt) else errors.first_line(stop)
+            self._incomplete(f"stopped while its records were delivered ({words})")
+            raise
+        self._incomplete("the server did not come back")
+        return False
+
+    def _finish_at_exit(self) -> None:
+        # A training process's exit is its run's end. A stop during this last drain
+        # has nothing left to stop, and `finish` said what it left waiting.
+        try:
+            self.finish()
+        except BaseException as err:
+            if _interruption(err) is None:
+                raise
+
+    def _incomplete(self, why: str) -> None:
         Outbox._reported.add(self.path)
         with self._locked() as fh:
             records = self._read(fh)
@@ -479,7 +520,6 @@ class Outbox:
             file=sys.stderr,
             flush=True,
         )
-        return False
 
 
 # --- python -m coopstudy remote ----------------------------------------------

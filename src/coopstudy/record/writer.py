@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from coopstudy import config as config_mod
-from coopstudy.errors import UserError
+from coopstudy.errors import INTERRUPTED, UserError
 from coopstudy.record import outbox, schema, store
 
-INTERRUPTED = "interrupted (SIGINT)"
-"""The error on record of a step stopped by Ctrl-C."""
 NOT_PARAMS = ("preset",)
 """Config keys not logged as params. The preset is the tag schema.TAG_PRESET;
 `mlflow run -P preset=<file>` logs its entry point's own param `preset` as

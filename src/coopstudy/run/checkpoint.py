@@ -86,8 +86,12 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
 
 
 def withdraw(saved: Saved) -> None:
-    """Remove a saved checkpoint whose run then failed: nothing at its name."""
-    shutil.rmtree(saved.folder, ignore_errors=True)
+    """Remove a saved checkpoint whose run then failed: nothing at its name,
+    even if the removal is cut short (it is renamed aside first)."""
+    aside = saved.folder.parent / f".tmp-{saved.folder.name}-{os.getpid()}"
+    with contextlib.suppress(OSError):
+        os.replace(saved.folder, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:

@@ -48,7 +48,7 @@ import psutil
 from coopstudy import config as config_mod
 from coopstudy import machine, workspace
 from coopstudy.config import TRAINING_ALLOCATOR, Config
-from coopstudy.errors import UserError
+from coopstudy.errors import INTERRUPTED, UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import one_host_launcher
 
@@ -413,7 +413,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
             print(STOPPING.format(grace=STOP_GRACE_S), file=sys.stderr, flush=True)
             _stop(proc)
             if type(err) is KeyboardInterrupt:
-                raise Interrupted(f"{writer.INTERRUPTED}; every process it launched was stopped") from None
+                raise Interrupted(f"{INTERRUPTED}; every process it launched was stopped") from None
             raise
         finally:
             if held is not None and proc.poll() is not None:

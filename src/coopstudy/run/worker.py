@@ -140,6 +140,7 @@ def train(
         pending = _Pending(rec)
         # Seconds of the write inside the window just before the next update.
         record_seconds = 0.0
+        saved = None
         try:
             with ui.progress(f"train {arm}", len(schedule), enabled=ctx.is_main, unit="update", each=True) as advance:
                 for k, global_batch in enumerate(schedule, start=1):
@@ -196,69 +197,63 @@ def train(
                         pending.add(metrics, k)
                         advance(loss=f"{result.loss:.4f}", **{"s/update": f"{last_end - start:.2f}"})
                         record_seconds = pending.write() if k < len(schedule) and pending.due() else 0.0
+            # After the last update: outside the window.
+            pending.close()
+            if save and ctx.is_main:
+                saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
+            memory = _gather_peak_memory(ctx)
+            times_by_rank = _gather_times(ctx, times)
+            new_memory_by_rank = distributed.gather_floats(new_memory, ctx)
+            cores_by_rank = _gather_cores(ctx, cfg.train.threads_per_device)
         except BaseException as err:
             _ending()
             # A failed run keeps what it measured; the failure matters more than its record.
             with contextlib.suppress(Exception):
                 pending.close()
+            if saved is not None:
+                # Saved, then a rank failed or the job was stopped before the upload began:
+                # no checkpoint on disk, as for a failure during training.
+                checkpoint.withdraw(saved)
             # As on success (below), the DDP model goes before the process group;
             # the failure's frames hold it too.
             traceback.clear_frames(err.__traceback__)
             net = counter = None
             raise
-        # After the last update: outside the window.
-        pending.close()
-
-        saved = None
-        if save and ctx.is_main:
-            saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir("checkpoints", run_id))
-        try:
-            memory = _gather_peak_memory(ctx)
-            times_by_rank = _gather_times(ctx, times)
-            new_memory_by_rank = distributed.gather_floats(new_memory, ctx)
-            cores_by_rank = _gather_cores(ctx, cfg.train.threads_per_device)
-            if rec is not None:
-                summary = {
-                    "arm": arm,
-                    "workers": ctx.world_size,
-                    "backend": ctx.backend,
-                    "device": str(ctx.device),
-                    "host": socket.gethostname(),
-                    "threads_per_device": cfg.train.threads_per_device,
-                    # The CPU cores each rank was pinned to; null: left to the scheduler.
-                    "cores_by_rank": cores_by_rank,
-                    "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
-                    # The host's malloc (run.launch.set_malloc): 'tcmalloc', or glibc and its settings.
-                    "malloc": machine.malloc_in_use(),
-                    "precision": precision.name,
-                    "updates": len(schedule),
-                    "phases": phases,
-                    # Which documents each worker held for each update: the split is part of the record.
-                    "assignment": batching.assignment(schedule, work, ctx.world_size),
-                    "active_seconds": last_end - first_start,
-                    "memory_by_rank": memory,
-                    # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
-                    "times_by_rank": times_by_rank,
-                    # Every rank's peak resident set growth per update, MiB (schema.M_NEW_MEMORY_MB).
-                    "new_memory_mb_by_rank": new_memory_by_rank,
-                    # Whether rank 0's host takes back free memory, and what it had ready for first
-                    # touches before update 1 and after each update, MiB (schema.M_READY_MEMORY_MB).
-                    "free_page_reporting": machine.free_page_reporting(),
-                    "ready_memory_mb": ready_memory,
-                    # Real tokens / computed positions of rank 0's forwards: 1.0, packed.
-                    "padding_efficiency": local_tokens / computed if computed else 1.0,
-                    "inputs_sha256": prepared.digest,
-                    "seed_sha256": seed.sha256,
-                    "torch": torch.__version__,
-                }
-                _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
-        except BaseException:
-            _ending()
-            if saved is not None:
-                # A run that fails (or is stopped) after its checkpoint was saved keeps
-                # none on disk, as one that fails before: select refuses it anyway.
-                checkpoint.withdraw(saved)
-            raise
+        if rec is not None:
+            summary = {
+                "arm": arm,
+                "workers": ctx.world_size,
+                "backend": ctx.backend,
+                "device": str(ctx.device),
+                "host": socket.gethostname(),
+                "threads_per_device": cfg.train.threads_per_device,
+                # The CPU cores each rank was pinned to; null: left to the scheduler.
+                "cores_by_rank": cores_by_rank,
+                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+                # The host's malloc (run.launch.set_malloc): 'tcmalloc', or glibc and its settings.
+                "malloc": machine.malloc_in_use(),
+                "precision": precision.name,
+                "updates": len(schedule),
+                "phases": phases,
+                # Which documents each worker held for each update: the split is part of the record.
+                "assignment": batching.assignment(schedule, work, ctx.world_size),
+                "active_seconds": last_end - first_start,
+                "memory_by_rank": memory,
+                # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
+                "times_by_rank": times_by_rank,
+                # Every rank's peak resident set growth per update, MiB (schema.M_NEW_MEMORY_MB).
+                "new_memory_mb_by_rank": new_memory_by_rank,
+                # Whether rank 0's host takes back free memory, and what it had ready for first
+                # touches before update 1 and after each update, MiB (schema.M_READY_MEMORY_MB).
+                "free_page_reporting": machine.free_page_reporting(),
+                "ready_memory_mb": ready_memory,
+                # Real tokens / computed positions of rank 0's forwards: 1.0, packed.
+                "padding_efficiency": local_tokens / computed if computed else 1.0,
+                "inputs_sha256": prepared.digest,
+                "seed_sha256": seed.sha256,
+                "torch": torch.__version__,
+            }
+            _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
         # The DDP model and its comm-hook state must go before the process
         # group does: gloo otherwise aborts now and then at interpreter exit.
         del net, counter
