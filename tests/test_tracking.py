@@ -210,9 +210,60 @@ def test_a_stop_while_waiting_records_are_delivered_keeps_the_rest_waiting(monke
     outbox.Outbox._reported.discard(box.path)
     box._finish_at_exit()
     assert "INCOMPLETE" in capsys.readouterr().err
+    # A rewrite cut short leaves the waiting records as they were, and no file beside them.
+    kept = box.path.read_bytes()
+    with monkeypatch.context() as full:
+        full.setattr(outbox.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        with pytest.raises(OSError):
+            box._rewrite([])
+    assert box.path.read_bytes() == kept and not box.path.with_suffix(".new").exists()
     monkeypatch.setattr(outbox, "apply", deliver)
     assert box.deliver() and not box.path.exists()
     assert [m.value for m in client.get_metric_history(run_id, schema.M_LOSS)] == [2.5, 2.0, 1.5]
+    # Nothing waits: a send the stop cuts short raises the same way.
+    monkeypatch.setattr(outbox, "apply", stopped_at_the_second)
+    with pytest.raises(MlflowException) as stopped:
+        box.send({"op": "batch", "metrics": [[schema.M_LOSS, 1.0, 0, 1]]})
+    assert isinstance(stopped.value.__cause__, errors.Stopped) and not box.path.exists()
+
+
+def test_a_stage_stopped_by_sigterm_during_its_end_drain_is_said_as_sigterm(monkeypatch, capsys):
+    from coopstudy.run import launch
+
+    client = store.client()
+    run_id = client.create_run(store.experiment_id()).info.run_id
+    box = outbox.Outbox(run_id, store.tracking_uri(), client)
+    box._keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
+
+    def terminated(*args):
+        raise launch.Terminated("stopped by SIGTERM; every process it launched was stopped too")
+
+    monkeypatch.setattr(outbox, "apply", terminated)
+    with pytest.raises(launch.Terminated):
+        box.finish()
+    assert "stopped while its records were delivered (stopped by SIGTERM; every process" in capsys.readouterr().err
+
+
+def test_a_record_that_cannot_be_kept_during_an_outage_is_not_told_as_the_outage(monkeypatch):
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    box = outbox.Outbox("0123", "http://127.0.0.1:1", None)
+
+    def unreachable(*args):
+        try:
+            raise requests.exceptions.ConnectionError("Max retries exceeded (Connection refused)")
+        except requests.exceptions.ConnectionError:
+            raise MlflowException("API request to http://127.0.0.1:1 failed")  # noqa: B904
+
+    def disk_full(record):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outbox, "apply", unreachable)
+    monkeypatch.setattr(box, "_keep", disk_full)
+    with pytest.raises(OSError) as full:
+        box.send({"op": "batch", "metrics": []})
+    assert not outbox.is_outage(full.value)
 
 
 def test_a_record_refused_while_a_stop_is_handled_is_still_a_refusal(monkeypatch, capsys):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from fixtures import ROOT, module_store, run_cli
 
-from coopstudy import config, study, workspace
+from coopstudy import config, errors, study, workspace
 from coopstudy.errors import RefusedError
 from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import checkpoint, launch, lock, worker
@@ -327,6 +327,24 @@ def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, 
     assert kept.folder == workspace.home() / "checkpoints" / run.info.run_id
     assert not kept.folder.exists() and not list(kept.folder.parent.glob(".tmp-*"))
     assert schema.TAG_CHECKPOINT_PATH not in store.client().get_run(run.info.run_id).data.tags
+
+
+def test_a_write_of_waiting_metrics_cut_short_keeps_the_rest_for_the_last_write():
+    written = []
+
+    class Cut:
+        def log_metrics(self, metrics, step=0):
+            written.append(step)
+            if len(written) == 2:
+                raise errors.Stopped("stopped by SIGTERM")
+
+    pending = worker._Pending(Cut())
+    for step in (1, 2, 3):
+        pending.add({schema.M_LOSS: 1.0}, step)
+    with pytest.raises(errors.Stopped):
+        pending.close()
+    pending.close()  # the failure's last write
+    assert written == [1, 2, 2, 3] and not pending.waiting
 
 
 def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):

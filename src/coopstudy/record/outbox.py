@@ -74,13 +74,14 @@ def _chain(err: BaseException, outer: BaseException | None = None) -> list[BaseE
     return chain
 
 
-def is_outage(err: BaseException) -> bool:
+def is_outage(err: BaseException, outer: BaseException | None = None) -> bool:
     """True when the server could not be reached or did not answer in time (the request may be
-    repeated later); False for an answer that refused the request (it would be refused again)."""
+    repeated later); False for an answer that refused the request (it would be refused again).
+    `outer`: the error being handled where `err` was raised (an outage then is not this one's)."""
     import requests
 
     lost = (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
-    return any(isinstance(seen, lost) for seen in _chain(err))
+    return any(isinstance(seen, lost) for seen in _chain(err, outer))
 
 
 def _interruption(err: BaseException, outer: BaseException | None = None) -> BaseException | None:
@@ -343,7 +344,7 @@ class Outbox:
             stop = _interruption(err, outer)
             if stop is not None:
                 _raise_as_stop(err, stop)
-            if not is_outage(err):
+            if not is_outage(err, outer):
                 raise
             lost = err
         # Kept outside the handler: a failure to keep it (a full disk) is not the outage.
@@ -430,7 +431,8 @@ class Outbox:
                     apply(self.client, self.run_id, record)
                 except BaseException as err:
                     stop = _interruption(err, outer)
-                    if isinstance(err, Exception) and stop is None and not is_outage(err):
+                    lost = is_outage(err, outer)
+                    if isinstance(err, Exception) and stop is None and not lost:
                         self._reject(record, err)
                         continue
                     # Only the undelivered rest stays, so nothing is sent twice; a stop
@@ -438,7 +440,7 @@ class Outbox:
                     self._rewrite(records[sent:])
                     if stop is not None:
                         _raise_as_stop(err, stop)
-                    if not is_outage(err):
+                    if not lost:
                         raise
                     self._went_away(err)
                     return False
@@ -494,7 +496,8 @@ class Outbox:
             stop = _interruption(err, outer)
             if stop is None:
                 raise
-            words = errors.INTERRUPTED if isinstance(stop, KeyboardInterrupt) else errors.first_line(stop)
+            # Ctrl-C's KeyboardInterrupt says nothing; a stage's SIGTERM (launch.Terminated) says which.
+            words = errors.first_line(stop) if str(stop).strip() else errors.INTERRUPTED
             self._incomplete(f"stopped while its records were delivered ({words})")
             raise
         self._incomplete("the server did not come back")

@@ -89,8 +89,11 @@ def withdraw(saved: Saved) -> None:
     """Remove a saved checkpoint whose run then failed: nothing at its name,
     even if the removal is cut short (it is renamed aside first)."""
     aside = saved.folder.parent / f".tmp-{saved.folder.name}-{os.getpid()}"
-    with contextlib.suppress(OSError):
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
         os.replace(saved.folder, aside)
+    except OSError:
+        aside = saved.folder
     shutil.rmtree(aside, ignore_errors=True)
 
 

@@ -72,9 +72,10 @@ class _Pending:
     def write(self) -> float:
         """Write what waits, in update order; the seconds it took."""
         start = time.perf_counter()
-        waiting, self.waiting = self.waiting, []
-        for metrics, step in waiting:
-            self.rec.log_metrics(metrics, step=step)  # type: ignore[union-attr]
+        while self.waiting:
+            self.rec.log_metrics(*self.waiting[0])  # type: ignore[union-attr]
+            # Only once written: a write cut short keeps the rest for the failure's last write.
+            self.waiting.pop(0)
         self.last_write = time.perf_counter()
         return self.last_write - start
 
