@@ -203,7 +203,8 @@ def test_a_deleted_experiment_is_refused_before_any_work(server, tmp_path):
 
 def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tmp_path, monkeypatch, capsys, http_defaults):
     client = server.client()
-    run_id = client.create_run(client.get_experiment_by_name("coopstudy").experiment_id).info.run_id
+    # An experiment of its own: the test runs alone too, before any stage made the study's.
+    run_id = client.create_run(client.create_experiment(f"unreachable-{time.monotonic_ns()}")).info.run_id
     monkeypatch.setenv("COOPSTUDY_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COOPSTUDY_OUTBOX_GRACE_S", "0")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{workspace.free_port()}")
