@@ -35,7 +35,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -671,6 +671,42 @@ def test_disk_full_while_writing_prepared_inputs_is_one_line_exit_2(tiny_seed, m
     line = err.strip().splitlines()[-1]
     assert line.startswith("coopstudy prepare: error: ") and "No space left on device" in line, err[-3000:]
     assert err.count("error:") == 1 and "Traceback" not in err
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 4 MiB filesystem of its own (tmpfs, mounted as root), filled up by the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()[:200]}")
+    try:
+        yield disk
+    finally:
+        # Lazily: this process may still hold the database open (MLflow keeps its engine).
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_tracking_store_on_a_full_disk_is_one_line_exit_2(tiny_seed_home, _migrated_db, small_disk, tmp_path):
+    store = Store(tmp_path / "home", small_disk / "mlflow.db")
+    shutil.copytree(tiny_seed_home, store.home)
+    shutil.copy(_migrated_db, store.db)
+    # A study's store: the experiment is there, the step's first write is its run (MLflow logs
+    # that SQLite error's traceback itself, before it raises).
+    _client(store).create_experiment("coopstudy")
+    with open(small_disk / "filler", "wb") as filler:
+        with contextlib.suppress(OSError):  # ENOSPC: the disk is full
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+    done = run_cli("prepare", "--preset", "tiny", env=store.env())
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert line == (f"coopstudy prepare: error: the disk of the tracking store {store.tracking_uri} is full (database or disk is full); "
+                    "free some space and run it again (a run this step had opened stays RUNNING)")  # fmt: skip
+    assert not (store.home / "ledger.jsonl").exists()
 
 
 # --- 3. two jobs at once ---------------------------------------------------

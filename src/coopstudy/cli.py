@@ -155,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         where = f" writing {err.filename}" if err.filename else ""
         print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
         return 2
+    except Exception as err:
+        # The same for the tracking store's SQLite file, which MLflow's error only wraps.
+        from coopstudy.record import store
+
+        if not store.on_full_disk(err):
+            raise
+        print(
+            f"coopstudy {args.step}: error: the disk of the tracking store {store.tracking_uri()} is full (database or disk is full); "
+            "free some space and run it again (a run this step had opened stays RUNNING)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _refuse(args: argparse.Namespace, err: UserError) -> int:

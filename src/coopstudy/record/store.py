@@ -197,7 +197,32 @@ def tracking_uri() -> str:
             )
         if parts.scheme in ("http", "https"):
             use_http_defaults()
+        elif parts.scheme == "sqlite":
+            # MLflow logs a SQLite error's whole traceback before raising it; a full
+            # disk is said in one line instead (cli.main, on_full_disk).
+            logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_WHEN_FULL)
     return uri
+
+
+def on_full_disk(err: BaseException) -> bool:
+    """True when `err` comes from a SQLite store whose disk is full (MLflow
+    raises it wrapped twice: sqlite3's error in SQLAlchemy's, that in its own)."""
+    import sqlite3
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _QuietWhenFull(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and on_full_disk(record.exc_info[1]))
+
+
+_QUIET_WHEN_FULL = _QuietWhenFull()
 
 
 SQLITE_HEADER = b"SQLite format 3\0"
@@ -283,6 +308,8 @@ def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:
         try:
             _create_experiment(mlflow_client, name)
         except Exception as err:  # noqa: BLE001 - another process created it first? looked up again below
+            if on_full_disk(err):
+                raise  # said as a full disk (cli.main)
             why = f": {' '.join(str(err).split())[:300]}"
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
