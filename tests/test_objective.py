@@ -209,7 +209,9 @@ def test_memory_first_touched_in_an_update_shows_as_its_system_seconds(cfg, monk
     opt, sched = trainer(lm, cfg)
     net = objective.WeightedNLL(lm)
     step(net, opt, sched, docs, 4)
-    quiet = step(net, opt, sched, docs, 4).times
+    # The least disturbed of three: on a loaded machine one quiet update took 0.61 s and
+    # the touching one after it 0.20 s, so a single pair of wall times decides nothing.
+    quiet = min((step(net, opt, sched, docs, 4).times for _ in range(3)), key=lambda times: times.forward_backward)
     forward = objective.microbatch_loss
 
     def touching(*args, **kwargs):
