@@ -23,6 +23,19 @@ class Stopped(Exception):
     once one has failed, and the stage stops its processes when it is stopped."""
 
 
+def chain(err: BaseException, outer: BaseException | None = None) -> list[BaseException]:
+    """`err` and the errors it was raised from or while handling, outermost first,
+    down to `outer` (the error being handled where `err` was raised: not its cause).
+    MLflow wraps a requests error in an MlflowException without `from`, so the
+    cause may be only on __context__; a stage's error may wrap what its process saw."""
+    found: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and seen is not outer:
+        found.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]

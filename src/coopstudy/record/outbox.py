@@ -61,19 +61,6 @@ maximum: the records in between go straight to the file and cost the loop nothin
 _checked: dict[tuple[str, str], str] = {}
 
 
-def _chain(err: BaseException, outer: BaseException | None = None) -> list[BaseException]:
-    """`err` and the errors it was raised from or while handling, outermost first,
-    down to `outer` (the error being handled where `err` was raised: not its cause).
-    MLflow wraps the requests error in an MlflowException without `from`, so the
-    cause may be only on __context__; a stage's error may wrap what its process saw."""
-    chain: list[BaseException] = []
-    seen: BaseException | None = err
-    while seen is not None and seen is not outer:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return chain
-
-
 def is_outage(err: BaseException, outer: BaseException | None = None) -> bool:
     """True when the server could not be reached or did not answer in time (the request may be
     repeated later); False for an answer that refused the request (it would be refused again).
@@ -81,7 +68,7 @@ def is_outage(err: BaseException, outer: BaseException | None = None) -> bool:
     import requests
 
     lost = (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
-    return any(isinstance(seen, lost) for seen in _chain(err, outer))
+    return any(isinstance(seen, lost) for seen in errors.chain(err, outer))
 
 
 def _interruption(err: BaseException, outer: BaseException | None = None) -> BaseException | None:
@@ -89,7 +76,7 @@ def _interruption(err: BaseException, outer: BaseException | None = None) -> Bas
     may wrap it): the record was not refused, and the process must stop, not go on.
     `outer`: the error its caller was handling, which did not interrupt the send."""
     stops = (errors.Stopped, KeyboardInterrupt, SystemExit)
-    return next((seen for seen in _chain(err, outer) if isinstance(seen, stops)), None)
+    return next((seen for seen in errors.chain(err, outer) if isinstance(seen, stops)), None)
 
 
 def _raise_as_stop(err: BaseException, stop: BaseException) -> None:
@@ -102,7 +89,7 @@ def _raise_as_stop(err: BaseException, stop: BaseException) -> None:
 def reason(err: BaseException) -> str:
     """The error in a few words (MLflow's own message repeats the whole URL chain),
     read down its chain."""
-    chain = _chain(err)
+    chain = errors.chain(err)
     for seen in chain:
         text = str(seen)
         for marker, words in (

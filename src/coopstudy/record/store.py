@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from coopstudy import config as config_mod
-from coopstudy import workspace
+from coopstudy import errors, workspace
 from coopstudy.errors import UserError
 
 REMOTE_FILE = "mlruns_remote.txt"
@@ -209,12 +209,7 @@ def on_full_disk(err: BaseException) -> bool:
     raises it wrapped twice: sqlite3's error in SQLAlchemy's, that in its own)."""
     import sqlite3
 
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen) for seen in errors.chain(err))
 
 
 class _QuietWhenFull(logging.Filter):
