@@ -606,6 +606,26 @@ if os.environ.get("COOPSTUDY_TEST_FAULT") == "enospc-checkpoint":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     _st.save_file = save_file
+
+if os.environ.get("COOPSTUDY_TEST_FAULT") == "fill-store-disk":
+    # The tracking store's disk fills up while training ends: after the
+    # per-update metrics were written, before the rank records its run.
+    import safetensors.torch as _st
+
+    _real = _st.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        with open(os.environ["COOPSTUDY_TEST_FILLER"], "wb") as filler:
+            try:
+                while True:
+                    filler.write(bytes(65536))
+                    filler.flush()
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+        _real(tensors, filename, metadata=metadata)
+
+    _st.save_file = save_file
 '''
 
 
@@ -707,6 +727,30 @@ def test_a_tracking_store_on_a_full_disk_is_one_line_exit_2(tiny_seed_home, _mig
     assert line == (f"coopstudy prepare: error: the disk of the tracking store {store.tracking_uri} is full (database or disk is full); "
                     "free some space and run it again (a run this step had opened stays RUNNING)")  # fmt: skip
     assert not (store.home / "ledger.jsonl").exists()
+
+
+def test_a_training_rank_whose_tracking_store_fills_up_says_so_in_one_line(planned_store, small_disk, tmp_path):
+    copied = planned_store.copy(tmp_path / "store")
+    store = Store(copied.home, small_disk / "mlflow.db")
+    shutil.move(copied.db, store.db)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SITE)
+    path = os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH", "")) if p)
+    env = _cli_env(store, PYTHONPATH=path, COOPSTUDY_TEST_FAULT="fill-store-disk", COOPSTUDY_TEST_FILLER=str(small_disk / "filler"))
+    done = run_cli(*TRAIN_CONTROL, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    full = f"the disk of the tracking store {store.tracking_uri} is full (database or disk is full)"
+    said = [line for line in done.stderr.splitlines() if "error" in line.lower() or full in line]
+    assert said == [
+        f"coopstudy worker (control, rank 0): {full}",
+        f"coopstudy train: error: {full}; free some space and run it again (a run this step had opened stays RUNNING)",
+    ], done.stderr[-3000:]
+    # What rank 0 measured before the disk filled up is on the run.
+    run = _newest(store, "train-control-tiny")
+    assert run.info.status == "RUNNING"
+    assert _client(store).get_metric_history(run.info.run_id, schema.M_LOSS)
 
 
 # --- 3. two jobs at once ---------------------------------------------------

@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if not store.on_full_disk(err):
             raise
         print(
-            f"coopstudy {args.step}: error: the disk of the tracking store {store.tracking_uri()} is full (database or disk is full); "
-            "free some space and run it again (a run this step had opened stays RUNNING)",
+            f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again (a run this step had opened stays RUNNING)",
             file=sys.stderr,
         )
         return 2

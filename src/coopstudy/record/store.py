@@ -212,6 +212,11 @@ def on_full_disk(err: BaseException) -> bool:
     return any(isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen) for seen in errors.chain(err))
 
 
+def full_disk_said() -> str:
+    """A tracking store whose disk is full, in the words every process that meets it says (cli.main, a training rank)."""
+    return f"the disk of the tracking store {tracking_uri()} is full (database or disk is full)"
+
+
 class _QuietWhenFull(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and record.exc_info[1] is not None and on_full_disk(record.exc_info[1]))

@@ -47,7 +47,7 @@ from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import Stopped, UserError
 from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, flops, objective, update
-from coopstudy.record import outbox, schema, writer
+from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import capacity, checkpoint, launch
 
 RECORD_EVERY_S = 60.0
@@ -387,6 +387,10 @@ def main(args: argparse.Namespace) -> int:
         if outbox.is_outage(err):
             # Before training the ranks read the record (the ledger's runs); an outage then is one line too.
             print(f"{who}: the tracking server stopped answering ({outbox.reason(err)})", file=sys.stderr)
+            return 2
+        if store.on_full_disk(err):
+            # Its error could not be recorded either; the stage says the same when it ends the run.
+            print(f"{who}: {store.full_disk_said()}", file=sys.stderr)
             return 2
         if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
             # What a probe is for: one line here, the traceback on the run.
