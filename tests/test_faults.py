@@ -1063,6 +1063,12 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
         # A leftover of `mlflow run` in the shell: MLflow would start a run, then fail with a traceback.
         ("MLFLOW_RUN_ID", "garbage", "MLFLOW_RUN_ID=garbage: no such run in "),
         ("COOPSTUDY_REMOTE_FILE", "{binary}", "tracking URI file {binary}: cannot read it (not UTF-8 text)"),
+        # MLflow would take it, and the step's records would vanish at its end.
+        ("MLFLOW_TRACKING_URI", "sqlite://", "tracking URI 'sqlite://' (from MLFLOW_TRACKING_URI): an in-memory database"),
+        # A database store whose driver is not installed: MLflow's ModuleNotFoundError.
+        ("MLFLOW_TRACKING_URI", "postgresql://nohost/db", "(from MLFLOW_TRACKING_URI) needs the Python module '"),
+        # A home whose sub-folders cannot be made (procfs here; read-only alike).
+        ("COOPSTUDY_HOME", "/proc/1", "the study's home /proc/1: cannot make /proc/1/"),
     ],
 )
 def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
@@ -1077,6 +1083,15 @@ def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_pat
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("coopstudy prepare: error: ") and said.format(**paths) in line, line
     assert paths["text"].read_text() == "not a database\n"
+
+
+@pytest.mark.parametrize("step", ["verify", "report"])
+def test_a_home_that_is_a_file_is_refused_before_a_run_opens(step, tmp_path):
+    done = run_cli(step, "--preset", "tiny", env={"COOPSTUDY_HOME": str(_a_file(tmp_path))})
+    assert done.returncode == 2 and "is a file, not a folder" in done.stderr, done.stderr[-3000:]
+    # Not an empty run left FINISHED: the run's records would wait in that home.
+    client = mlflow.MlflowClient()
+    assert not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
 
 
 def test_a_deleted_experiment_is_one_line_and_exit_2():

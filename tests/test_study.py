@@ -188,20 +188,6 @@ def test_a_study_from_scratch_agrees_to_the_byte(first, tmp_path):
             assert a["resources"]["arms"][arm][key] == b["resources"]["arms"][arm][key], (arm, key)
 
 
-def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
-    source = copy.root / "src" / "coopstudy" / "numerics" / "objective.py"
-    source.write_text(source.read_text() + "\n# touched\n")
-    touched = copy.coopstudy("study", "--preset", "tiny", "--through", "verify")
-    assert touched.returncode == 0, touched.stderr[-3000:]
-    assert _steps(touched.stdout, "reused") == ["prepare"]
-    assert _steps(touched.stdout, "running") == ["verify"]
-    # Every later step's key chains from verify's, so all of them rerun too
-    # (test_upstream_change_changes_every_later_key); training refuses meanwhile.
-    refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
-    assert refused.returncode == 2
-    assert "objective.py" in refused.stderr
-
-
 def test_upstream_change_changes_every_later_key():
     cfg = config.load("tiny")
     keys: dict[str, str] = {}
@@ -335,6 +321,50 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
     finally:
         server.stop()
     assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
+
+
+def test_another_configs_gate_and_a_plan_committed_again(first, copy):
+    """A study of another config passes its own gate; the first config's plan
+    keeps the gate it binds. A plan committed again (probe rerun by hand)
+    reruns every step after it, though their keys are the same."""
+    client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
+    (planned,) = copy.runs("plan")
+    gate = planned.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"]
+    other = copy.coopstudy("study", "--preset", "tiny", "--through", "verify", "--set", "train.lr=2e-4")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert _steps(other.stdout, "running") == ["prepare", "verify"]
+    newest = next(r for r in copy.runs("verify") if "mlflow.parentRunId" in r.data.tags)
+    assert newest.data.tags[schema.TAG_GATE] != gate  # the gate of other optimizer settings
+    # The first config's plan still holds: select refuses only because it selected once.
+    select = copy.coopstudy("select", "--preset", "tiny")
+    assert select.returncode == 2 and "were already selected" in select.stderr, select.stderr[-3000:]
+
+    probe = copy.coopstudy("probe", "--preset", "tiny")
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    again = copy.coopstudy("study", "--preset", "tiny")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _steps(again.stdout, "reused") == ["prepare", "verify", "probe"]
+    assert _steps(again.stdout, "running") == list(study.STEP_NAMES[3:])
+    replanned = copy.runs("plan")[0]
+    assert replanned.data.tags[schema.TAG_PLAN] != planned.data.tags[schema.TAG_PLAN]
+    assert replanned.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] == gate
+    for stage in ("train", "select", "evaluate", "report"):
+        assert copy.runs(stage)[0].data.tags[schema.TAG_PLAN] == replanned.data.tags[schema.TAG_PLAN], stage
+    assert client.get_run(copy.runs("report")[0].info.run_id).info.status == "FINISHED"
+
+
+def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
+    source = copy.root / "src" / "coopstudy" / "numerics" / "objective.py"
+    source.write_text(source.read_text() + "\n# touched\n")
+    touched = copy.coopstudy("study", "--preset", "tiny", "--through", "verify")
+    assert touched.returncode == 0, touched.stderr[-3000:]
+    assert _steps(touched.stdout, "reused") == ["prepare"]
+    assert _steps(touched.stdout, "running") == ["verify"]
+    # Every later step's key chains from verify's, so all of them rerun too
+    # (test_upstream_change_changes_every_later_key); training refuses meanwhile.
+    refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
+    assert refused.returncode == 2
+    assert "objective.py" in refused.stderr
 
 
 def test_steps_started_one_by_one_are_reused_by_a_study(probed_tiny):

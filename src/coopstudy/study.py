@@ -53,7 +53,9 @@ def _prepared_ok(cfg: Config, run: Any) -> None:
 
 
 def _gate_ok(cfg: Config, run: Any) -> None:
-    require.gate_receipt()
+    passed = run.data.tags.get(schema.TAG_GATE)
+    if require.gate_receipt(bound=passed).digest != passed:
+        raise UserError(f"the gate receipt of run {run.info.run_id} no longer applies")
 
 
 def _probes_ok(cfg: Config, run: Any) -> None:
@@ -64,11 +66,15 @@ def _plan_ok(cfg: Config, run: Any) -> None:
     require.committed_plan(cfg)
 
 
-def _checkpoint_ok(cfg: Config, run: Any) -> None:
-    # Trained under the plan in force: a plan committed again since (its probe
-    # rerun) makes select look for runs of the new plan.
+def _under_plan_ok(cfg: Config, run: Any) -> None:
+    # A plan committed again since (a probe or the gate rerun) reruns every step
+    # after it, though their keys, which hash the steps' inputs, not the runs, are the same.
     if run.data.tags.get(schema.TAG_PLAN) != require.committed_plan(cfg):
-        raise UserError(f"run {run.info.run_id} trained under another plan than the one in force")
+        raise UserError(f"run {run.info.run_id} ran under another plan than the one in force")
+
+
+def _checkpoint_ok(cfg: Config, run: Any) -> None:
+    _under_plan_ok(cfg, run)
     folder = run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
     weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
     if not weights.is_file() or workspace.sha256_file(weights) != run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
@@ -82,9 +88,9 @@ STEPS: tuple[Step, ...] = (
     Step("plan", "plan", ("prepare", "verify", "probe"), still_valid=_plan_ok),
     Step("train-control", "train", ("plan",), ("--arm", "control"), _checkpoint_ok),
     Step("train-compressed", "train", ("plan",), ("--arm", "compressed"), _checkpoint_ok),
-    Step("select", "select", ("train-control", "train-compressed")),
-    Step("evaluate", "evaluate", ("select",)),
-    Step("report", "report", ("evaluate",)),
+    Step("select", "select", ("train-control", "train-compressed"), still_valid=_under_plan_ok),
+    Step("evaluate", "evaluate", ("select",), still_valid=_under_plan_ok),
+    Step("report", "report", ("evaluate",), still_valid=_under_plan_ok),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 MODULES: dict[str, ModuleType] = {

@@ -6,6 +6,7 @@ errors: every layer may use it."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -42,8 +43,14 @@ def home() -> Path:
 
 
 def subdir(*parts: str) -> Path:
-    path = home().joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
+    root = home()
+    path = root.joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # a full disk is said as one (cli.main)
+        raise UserError(f"the study's home {root}: cannot make {path} ({err.strerror}); set {HOME_VARIABLE} to a folder it can write") from None
     return path
 
 

@@ -43,16 +43,19 @@ def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
     return prepared, seed
 
 
-def gate_receipt(book: ledger.Ledger | None = None, *, directory: Path | None = None) -> ledger.Entry:
+def gate_receipt(book: ledger.Ledger | None = None, *, directory: Path | None = None, bound: str | None = None) -> ledger.Entry:
     """The ledger entry of a passed gate on the current numerical sources and
-    libraries, or a refusal that names what changed."""
+    libraries, or a refusal that names what changed. `bound`: the digest of
+    the receipt a plan or a verify run already holds, kept while it still
+    applies, so that a gate passed since for another config (verify with
+    other optimizer settings) does not undo that plan; otherwise the newest."""
     book = book or ledger.Ledger()
     sha, files = sources.numerical_sources_sha256(directory)
     libs = sources.library_versions()
     passed = [e for e in book.entries() if e.kind == ledger.GATE and e.subject == sources.GATE_SUBJECT]
-    for entry in reversed(passed):
-        if entry.details.get("sources_sha256") == sha and entry.details.get("libraries") == libs:
-            return entry
+    holding = [e for e in passed if e.details.get("sources_sha256") == sha and e.details.get("libraries") == libs]
+    if holding:
+        return next((e for e in holding if e.digest == bound), holding[-1])
     if not passed:
         raise RefusedError(f"no gate receipt for the numerical sources in {book.path}; {GATE_HINT}")
     latest = passed[-1].details
@@ -77,6 +80,23 @@ def committed_plan(cfg: Config) -> str:
     """The committed plan's sha256, after checking that nothing it hashes has
     changed; a refusal names what did. Later stages tag their runs with it
     (schema.TAG_PLAN)."""
+    return _committed_plan(cfg)[0]
+
+
+def planned_gate(cfg: Config) -> str | None:
+    """The gate receipt bound by the plan committed for `cfg`; None when there
+    is none, or its file cannot be read (the plan step then commits anew)."""
+    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
+    if entry is None:
+        return None
+    try:
+        return json.loads((workspace.home() / entry.details["file"]).read_text())["gate_receipt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _committed_plan(cfg: Config) -> tuple[str, str]:
+    """(the committed plan's sha256, the gate receipt it binds), checked as committed_plan says."""
     entry = ledger.Ledger().require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg))
     short = entry.digest[:12]
     stored = workspace.home() / entry.details["file"]
@@ -103,14 +123,14 @@ def committed_plan(cfg: Config) -> str:
         changed = sources.changed(old["probe_receipts"], hashes)
         raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}; {rerun}")
     try:
-        new = planning.build(cfg, inputs(cfg), gate_receipt())
+        new = planning.build(cfg, inputs(cfg), gate_receipt(bound=old.get("gate_receipt")))
     except RefusedError as err:
         # Inputs that no longer verify, a gate receipt that no longer matches:
         # the message names the file.
         raise RefusedError(f"changed since the plan {short} was committed: {err}") from None
     if planning.digest(new) != entry.digest:
         raise RefusedError(f"changed since the plan {short} was committed: {'; '.join(planning.differences(old, new))}; {rerun}")
-    return entry.digest
+    return entry.digest, new["gate_receipt"]
 
 
 def training_inputs(cfg: Config) -> dict[str, str]:
@@ -131,8 +151,9 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     # In protocol order: a changed source is first a stale gate receipt, a
     # changed input file first an input that no longer verifies; each names it.
     tags = training_inputs(cfg)
-    sha = committed_plan(cfg)
-    return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
+    sha, gate = _committed_plan(cfg)
+    # The plan's gate receipt, which may be older than the newest (gate_receipt's `bound`).
+    return sha, tags | {schema.TAG_REQUIRES_PREFIX + ledger.GATE: gate, schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:

@@ -245,6 +245,18 @@ def _sqlite_file(uri: str) -> Path | None:
     return Path(url.database)
 
 
+def _in_memory(uri: str) -> bool:
+    """A sqlite: URI of no file (`sqlite://`, `sqlite:///`, `sqlite:///:memory:`)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(uri)
+    except (ArgumentError, ValueError):
+        return False
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
 ARTIFACTS_BESIDE_DATABASE = "mlruns"
 """The folder, beside a SQLite store's file, that holds the artifacts of the
 experiments coopstudy creates in it (one subfolder per experiment id)."""
@@ -256,9 +268,11 @@ def _check_sqlite(uri: str, where: str) -> None:
     the last with backoff for minutes and let SQLAlchemy's traceback out of
     the second."""
     path = _sqlite_file(uri)
-    if path is None:
-        return
     said = f"tracking URI {uri!r} (from {where})"
+    if path is None:
+        if _in_memory(uri):
+            raise UserError(f"{said}: an in-memory database, whose records would vanish when the step ends; name a file: sqlite:///PATH")
+        return
     if path.is_dir():
         raise UserError(f"{said}: {path} is a folder, not a database file")
     if not path.exists():
@@ -296,6 +310,12 @@ def client(uri: str | None = None, where: str | None = None):
         known = re.search(r"Supported URI schemes are: \[[^]]*\]", err.message)
         why = known.group(0) if known else " ".join(err.message.split())
         raise UserError(f"tracking URI {uri!r} (from {where}) cannot be opened. {why}") from None
+    except ImportError as err:
+        # A database store (postgresql://, mysql://, ...) whose driver is not installed.
+        raise UserError(
+            f"tracking URI {uri!r} (from {where}) needs the Python module {err.name!r}, which is not installed; "
+            "install its driver, or use sqlite:///FILE or a server's http(s):// URI"
+        ) from None
 
 
 def experiment_id(name: str = DEFAULT_EXPERIMENT) -> str:

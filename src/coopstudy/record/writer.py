@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coopstudy import config as config_mod
+from coopstudy import workspace
 from coopstudy.errors import INTERRUPTED, UserError
 from coopstudy.record import outbox, schema, store
 
@@ -192,6 +193,9 @@ def stage_run(
         # may not write stop the stage here, in seconds, with one line.
         outbox.preflight(uri, exp_name)
     mlflow.set_tracking_uri(uri)
+    # The run's records wait in the home's outbox: a home that cannot be used is
+    # refused before the run opens, rather than leave an empty run behind.
+    workspace.home()
     parent = mlflow.active_run()
     exp_id = parent.info.experiment_id if parent is not None else store.experiment_id(exp_name)
     launched, _launcher = (_launcher if parent is None else None), (None if parent is None else _launcher)
