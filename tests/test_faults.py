@@ -909,6 +909,13 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
     "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
     "an unknown flag": (lambda tmp: ("prepare", "--preset", "tiny", "--nosuch", "1"), "unrecognized arguments: --nosuch 1 (see `python -m coopstudy prepare --help`)"),
+    "a choice not among an option's": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "nosuch"),
+        "argument --arm: invalid choice: 'nosuch' (choose from 'control', 'compressed', 'both') (see `python -m coopstudy train --help`)",
+    ),
+    # torch would segfault, and overflow a C int of milliseconds.
+    "more threads than any machine": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.threads_per_device=100000"), "train.threads_per_device: Input should be less than or equal to 1024"),
+    "a timeout of 1e300 s": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=1e300"), "distributed.collective_timeout_s: Input should be less than or equal to 604800"),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
     "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
     "bench generate --items 10**20": (

@@ -24,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from coopstudy import config as config_mod
 from coopstudy.errors import UserError
@@ -89,12 +90,20 @@ def _split_overrides(item: str) -> list[str]:
     return [o for o in re.split(r"\s+(?=[A-Za-z_][\w.]*=)", item.strip()) if o]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line, as every other user mistake
+    (argparse prints its usage block first); `--help` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `python -m {self.prog} --help`)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only`, just that command's sub-parser: a command
     then imports no other command's module (some import torch at the top)."""
     # No abbreviations: `mlflow run` turns an unknown -P dry=1 into --dry 1,
     # which would otherwise be taken for --dry-run.
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="coopstudy",
         allow_abbrev=False,
         description=(

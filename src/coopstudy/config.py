@@ -170,8 +170,9 @@ class TrainConfig(_Section):
     state stay fp32 (fp64 under precision=fp64). auto: the protocol's bf16
     where this machine computes it natively, else fp32 (`machine.native_bf16`),
     resolved on load, so every run records the precision it trained in."""
-    threads_per_device: int = Field(1, gt=0)
-    """On CPU one device is this many cores (the study: one)."""
+    threads_per_device: int = Field(1, gt=0, le=1024)
+    """On CPU one device is this many cores (the study: one). At most 1024:
+    torch's thread pools segfault when asked for a hundred thousand."""
     seed: int = 0
 
     @field_validator("precision", mode="before")
@@ -194,8 +195,9 @@ class PowerSGDConfig(_Section):
 class DistributedConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl with CUDA, else gloo."""
-    collective_timeout_s: float = Field(120.0, gt=0)
-    """A rank that stops answering ends every rank after this long."""
+    collective_timeout_s: float = Field(120.0, gt=0, le=7 * 24 * 3600)
+    """A rank that stops answering ends every rank after this long. At most a
+    week: torch keeps it in a C int of milliseconds (24.8 days)."""
     pin_cores: bool = True
     """CPU ranks that all run on one host each take train.threads_per_device
     cores of their own, every thread of theirs included (machine.pin_rank);

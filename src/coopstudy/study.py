@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arm",
         choices=("control", "compressed", "both"),
         default="both",
-        help="which training arms to run when stopping at a train step (default: both)",
+        help="with --through train: which arm to train, the steps before it included (default: both)",
     )
 
 

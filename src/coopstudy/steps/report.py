@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coopstudy import workspace
+from coopstudy import ui, workspace
 from coopstudy.config import Config
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
@@ -62,12 +62,12 @@ def _key_metrics(screens: list[Screen]) -> dict[str, float]:
 
 
 def _print(report: dict[str, Any], folder: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from analysis import report as rep
 
-    console = Console()
+    # Wide enough that no word breaks when the output goes to a file or a pipe.
+    console = ui.console(160)
     headers, rows = rep.screen_rows(report)
     table = Table(title="Pre-registered screens")
     for h in headers:
