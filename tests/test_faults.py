@@ -975,7 +975,12 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # The hint names the preset as it was given: a file outside configs/ by its path.
     "plan before prepare, a preset file": (
         lambda tmp: ("plan", "--preset", _preset(tmp, lambda t: t)),
-        "/preset.yaml` with the same settings first",
+        "/preset.yaml` first",
+    ),
+    # ... and with the overrides given: without them it would act on another config.
+    "plan before prepare, with overrides": (
+        lambda tmp: ("plan", "--preset", "tiny", "--set", "train.lr=2e-4", "--set", "data.families=[gcd, chain_sum]"),
+        "run `python -m coopstudy prepare --preset tiny --set train.lr=2e-4 --set 'data.families=[gcd, chain_sum]'` first",
     ),
     "preset that is a folder": (lambda tmp: ("prepare", "--preset", str(_a_folder(tmp, "presets"))), "a preset is a name from configs/ or a path to a .yaml file"),
     "unknown preset": (lambda tmp: ("prepare", "--preset", "no-such-preset"), "unknown preset 'no-such-preset'"),

@@ -90,7 +90,8 @@ def test_train_refuses_without_a_plan():
     # A different config is a different plan: none is committed for it.
     done = run_cli("train", "--preset", "tiny", "--arm", "control", "--set", "budget.allocation_usd=99")
     assert done.returncode == 2
-    assert "no plan commitment" in done.stderr and "`python -m coopstudy plan --preset tiny` first" in done.stderr
+    # The hint's command is of this config: its overrides included.
+    assert "no plan commitment" in done.stderr and "`python -m coopstudy plan --preset tiny --set budget.allocation_usd=99` first" in done.stderr
 
 
 def _edit(path: Path) -> bytes:

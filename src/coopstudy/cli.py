@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args._module.main(args) or 0)
         overrides = [o for item in args.overrides for o in _split_overrides(item)]
         cfg = config_mod.load(args.preset, _with_experiment(overrides))
+        config_mod.remember_overrides(cfg, overrides)
         if args.dry_run:
             print(config_mod.to_yaml(cfg), end="")
             return 0

@@ -7,6 +7,7 @@ gives the dotted-key dict that is logged whole as MLflow params.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
@@ -297,6 +298,13 @@ class Config(_Section):
         path of a preset file outside the project's configs/."""
         return preset_argument(self.preset)
 
+    @property
+    def arguments(self) -> str:
+        """`--preset` and the `--set` overrides the user gave this config
+        (remember_overrides), as a shell takes them: what a hint's command
+        needs to act on the same config."""
+        return shlex.join(["--preset", self.preset_argument, *set_arguments(list(_GIVEN_OVERRIDES.get(self.preset, ())))])
+
     def arm(self, name: str) -> ArmConfig:
         """The shape of arm `name` (one of ARMS)."""
         return getattr(self.arms, name)
@@ -309,6 +317,15 @@ class Config(_Section):
 _PRESET_FILES: dict[str, str] = {}
 """Preset name -> the file this process loaded it from, for presets outside
 the project's configs/ (Config.preset_argument)."""
+
+
+_GIVEN_OVERRIDES: dict[str, tuple[str, ...]] = {}
+"""Preset name -> the `--set` overrides the user gave it in this process (Config.arguments)."""
+
+
+def remember_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Keep the overrides the user gave `cfg` for the commands hints name (Config.arguments)."""
+    _GIVEN_OVERRIDES[cfg.preset] = tuple(overrides)
 
 
 def preset_argument(name: str) -> str:

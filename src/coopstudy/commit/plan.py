@@ -92,7 +92,7 @@ def build(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> dic
     sources_sha, files = sources.deciding_sources_sha256()
     kept = receipts.probe_receipts(cfg)
     if not kept:
-        raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}; run `python -m coopstudy probe --preset {cfg.preset_argument}` first")
+        raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}; run `python -m coopstudy probe {cfg.arguments}` first")
     when = cfg.budget.deadline
     arms: dict[str, Any] = {}
     for arm in ARMS:
@@ -185,7 +185,7 @@ def document(cfg: Config, sha: str) -> dict[str, Any]:
 
 
 def hint(cfg: Config) -> str:
-    steps = f"`python -m coopstudy plan --preset {cfg.preset_argument}`"
+    steps = f"`python -m coopstudy plan {cfg.arguments}`"
     if not receipts.receipt_hashes(cfg):
-        steps = f"`python -m coopstudy probe --preset {cfg.preset_argument}` and {steps}"
-    return f"run {steps} first, with the same --set overrides"
+        steps = f"`python -m coopstudy probe {cfg.arguments}` and {steps}"
+    return f"run {steps} first"

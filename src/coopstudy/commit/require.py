@@ -24,7 +24,7 @@ def inputs(cfg: Config, book: ledger.Ledger | None = None) -> data.Prepared:
     entry = (book or ledger.Ledger()).require(
         ledger.INPUTS,
         data.inputs_key(cfg),
-        hint=f"run `python -m coopstudy prepare --preset {cfg.preset_argument}` with the same settings first",
+        hint=f"run `python -m coopstudy prepare {cfg.arguments}` first",
     )
     return data.load_folder(workspace.home() / entry.details["folder"], entry.digest)
 
@@ -38,7 +38,7 @@ def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
     if seed.sha256 != made_from:
         raise RefusedError(
             f"seed weights {seed.path} hash to {seed.sha256[:12]}, the prepared inputs were made from {made_from[:12]}; "
-            f"run `python -m coopstudy prepare --preset {cfg.preset_argument}` again"
+            f"run `python -m coopstudy prepare {cfg.arguments}` again"
         )
     return prepared, seed
 
@@ -73,7 +73,7 @@ def probe_receipts_complete(cfg: Config) -> None:
     names = [receipts.setting_name(c.arm, c.microbatch, c.allocator) for c in cfg.probe.candidates]
     missing = [name for name in names if f"{name}.json" not in kept]
     if missing:
-        raise RefusedError(f"no probe receipt for {', '.join(missing)}; run `python -m coopstudy probe --preset {cfg.preset_argument}`")
+        raise RefusedError(f"no probe receipt for {', '.join(missing)}; run `python -m coopstudy probe {cfg.arguments}`")
 
 
 def committed_plan(cfg: Config) -> str:
@@ -110,9 +110,9 @@ def _committed_plan(cfg: Config) -> tuple[str, str]:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
         raise RefusedError(
             f"the plan file {stored} was edited after it was committed; write it again: "
-            f"`python -m coopstudy plan --preset {cfg.preset_argument}` (with the same --set overrides)"
+            f"`python -m coopstudy plan {cfg.arguments}`"
         )
-    rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study --preset {cfg.preset_argument}`)"
+    rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study {cfg.arguments}`)"
     # The cheap checks first, each naming the files that changed: every
     # source that decides a number (sources.deciding_sources) is bound.
     changed = sources.changed_sources(old["sources"]["files"])
@@ -166,7 +166,7 @@ def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Sel
     if missing:
         raise RefusedError(
             f"no final candidates selected under plan {plan_sha[:12]} (missing: {', '.join(missing)}); "
-            f"run `python -m coopstudy select --preset {cfg.preset_argument}` first"
+            f"run `python -m coopstudy select {cfg.arguments}` first"
         )
     chosen = {}
     for arm in ARMS:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from rich.table import Table
 
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
-from coopstudy.config import Config, ProbeCandidate, from_dict, set_arguments
+from coopstudy.config import Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
@@ -217,6 +216,5 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
         # The plan is of this config: without the same overrides it would be another's.
-        again = shlex.join(["python", "-m", "coopstudy", "plan", "--preset", cfg.preset_argument, *set_arguments(args.overrides)])
-        console.print(f"next: `{again}` records the choice in the plan", highlight=False, soft_wrap=True)
+        console.print(f"next: `python -m coopstudy plan {cfg.arguments}` records the choice in the plan", highlight=False, soft_wrap=True)
     return 0
