@@ -916,6 +916,16 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # torch would segfault, and overflow a C int of milliseconds.
     "more threads than any machine": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.threads_per_device=100000"), "train.threads_per_device: Input should be less than or equal to 1024"),
     "a timeout of 1e300 s": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=1e300"), "distributed.collective_timeout_s: Input should be less than or equal to 604800"),
+    # Screens that could not fail (or not pass) are refused before they are planned.
+    "a speedup threshold every run passes": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.min_speedup=-5"), "screens.min_speedup: Input should be greater than 0"),
+    "a non-inferiority margin above 0": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.noninferiority_margin=5"),
+        "screens.noninferiority_margin: Input should be less than or equal to 0",
+    ),
+    "an accuracy gain every run passes": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.min_accuracy_gain=-1"),
+        "screens.min_accuracy_gain: Input should be greater than -1",
+    ),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
     "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
     "bench generate --items 10**20": (

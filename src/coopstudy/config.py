@@ -236,12 +236,17 @@ class BudgetConfig(_Section):
 
 
 class ScreensConfig(_Section):
-    min_accuracy_gain: float = 0.10
+    """Thresholds of the pre-registered screens. Each is bounded so that its
+    screen can both pass and fail: an accuracy difference lies in [-1, 1] and
+    a speedup above 0."""
+
+    min_accuracy_gain: float = Field(0.10, gt=-1, lt=1)
     retention_max_nll_increase: float = 0.02
     retention_level: float = Field(0.99, gt=0, lt=1)
-    noninferiority_margin: float = -0.03
+    noninferiority_margin: float = Field(-0.03, gt=-1, le=0)
+    """At most 0: a margin above it asks for superiority, not non-inferiority."""
     interval_level: float = Field(0.95, gt=0, lt=1)
-    min_speedup: float = 1.10
+    min_speedup: float = Field(1.10, gt=0)
 
 
 class Config(_Section):
