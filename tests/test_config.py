@@ -64,7 +64,8 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("train.lrr=1", "train.lrr: unknown key"),
+        ("train.lrr=1", "train.lrr: unknown key; did you mean train.lr?"),
+        ("train.learning_rate=1", "train.learning_rate: unknown key; train takes: updates, global_batch, lr, "),
         ("train.updates=abc", "train.updates"),
         ("train.updates=-3", "train.updates"),
         ("data.replay_docs=-1", "data.replay_docs"),

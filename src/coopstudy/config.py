@@ -7,6 +7,7 @@ gives the dotted-key dict that is logged whole as MLflow params.
 
 from __future__ import annotations
 
+import difflib
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -375,12 +376,26 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def _known_keys(loc: tuple[Any, ...]) -> str:
+    """What an unknown key's section takes: the nearest key, or all of them."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    keys = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    where = ".".join(map(str, loc[:-1])) or "the config"
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), near[0]])}?" if near else f"; {where} takes: {', '.join(keys)}"
+
+
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        return f"{loc}: unknown key{_known_keys(first['loc'])}"
     if ":" in msg and first["type"] == "value_error":
         # Cross-field checks name their own key.
         return msg if not loc else f"{loc}.{msg}"
