@@ -926,6 +926,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.min_accuracy_gain=-1"),
         "screens.min_accuracy_gain: Input should be greater than -1",
     ),
+    "--nodes 0": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
+    "an empty --master-addr": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "0", "--master-addr", "", "--master-port", "29600"),
+        "--master-addr: an empty address",
+    ),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
     "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
     "bench generate --items 10**20": (

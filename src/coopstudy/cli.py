@@ -57,7 +57,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override config values, e.g. --set train.lr=1e-4 data.tasks_per_family=32; a value with "
         "spaces is one quoted word (--set 'data.families=[gcd, products]'); within a word a new "
-        "override starts at each space followed by KEY=",
+        "override starts at each space followed by KEY=; --dry-run prints every key with its value",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
 

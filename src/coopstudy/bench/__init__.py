@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = bench("objective", "batched update against the per-document reference")
     p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
     p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
-                   help="prepared inputs, synthetic documents, or prepared when they exist (default)")  # fmt: skip
+                   help="prepared inputs, synthetic documents, or auto: prepared when they exist (default: auto)")  # fmt: skip
     a = bench("arms", "both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
     a.add_argument("--updates", type=int, default=None,
                    help="updates of each arm (default: train.updates, the whole schedule, as the study runs it;"

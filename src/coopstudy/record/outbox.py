@@ -575,7 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )  # fmt: skip
     d.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="only these runs' outboxes (default: all)")
-    d.add_argument("--tracking-uri", default=None, help="deliver here instead of the server the records were written for")
+    d.add_argument("--tracking-uri", default=None, help="deliver here instead of the server the records were written for (default: that server)")
     c = sub.add_parser(
         "check", help="the preflight alone: does the tracking server answer and take writes?",
         description=(

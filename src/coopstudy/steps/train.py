@@ -74,14 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hostfile",
         type=Path,
         default=None,
-        help="run the compressed arm's two ranks on two hosts: an MPI-style hostfile, one `HOST slots=1` line per host",
+        help="run the compressed arm's two ranks on two hosts: an MPI-style hostfile, one `HOST slots=1` line per host "
+        "(default: none, every rank on this host)",
     )
     two = parser.add_argument_group("one node of a job started by hand on each host (no ssh)")
-    two.add_argument("--nodes", type=int, default=None, help="how many hosts the compressed arm runs on (2: one rank each)")
-    two.add_argument("--node-rank", type=int, default=None, help="this host's node: 0 opens the run, the others join it")
-    two.add_argument("--master-addr", default=None, help="node 0's address, which every node reaches")
-    two.add_argument("--master-port", type=int, default=None, help="the rendezvous port on node 0, the same on every node")
-    two.add_argument("--run-id", default=None, help="on a node other than 0: the run node 0 opened (it prints the command)")
+    two.add_argument("--nodes", type=int, default=None, help="how many hosts the compressed arm runs on (2: one rank each; default: 1, this host alone)")
+    two.add_argument("--node-rank", type=int, default=None, help="this host's node: 0 opens the run, the others join it (required with --nodes)")
+    two.add_argument("--master-addr", default=None, help="node 0's address, which every node reaches (required with --nodes)")
+    two.add_argument("--master-port", type=int, default=None, help="the rendezvous port on node 0, the same on every node (required with --nodes)")
+    two.add_argument("--run-id", default=None, help="on a node other than 0: the run node 0 opened (it prints the command; required there)")
 
 
 def guard(rec: writer.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
@@ -123,13 +124,17 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
             raise UserError(f"{', '.join(given)} start one node of a job on several hosts; {nodes}")
         return None
     workers = cfg.arms.compressed.workers
+    if count < 1:
+        raise UserError(f"--nodes {count}: a job runs on at least 1 host")
     if args.arm != "compressed":
         raise UserError(f"--nodes {count}: only the compressed arm runs on several hosts (got --arm {args.arm})")
-    if count < 1 or workers % count:
+    if workers % count:
         raise UserError(f"--nodes {count}: the compressed arm's {workers} workers do not split over {count} hosts")
     missing = [o for o in ("--node-rank", "--master-addr", "--master-port") if getattr(args, o[2:].replace("-", "_")) is None]
     if missing:
         raise UserError(f"--nodes {count} needs {', '.join(missing)} (the same address and port on every node)")
+    if not args.master_addr.strip():
+        raise UserError("--master-addr: an empty address; give node 0's, which every node reaches")
     if not 0 <= args.node_rank < count:
         raise UserError(f"--node-rank {args.node_rank}: a job of {count} nodes has nodes 0 to {count - 1}")
     if not 0 < args.master_port < 65536:
