@@ -931,6 +931,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "0", "--master-addr", "", "--master-port", "29600"),
         "--master-addr: an empty address",
     ),
+    # More items than a family's seed range holds: the counts, not the seeds, are to change.
+    "more tasks than a family's seeds": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.tasks_per_family=1000000000"),
+        "data.tasks_per_family: 1,000,000,000 is more than the 1,000,000 seeds each family's range holds",
+    ),
     "--set of infinity": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "distributed.collective_timeout_s=inf"), "Input should be a finite number"),
     "bench generate --items 0": (lambda tmp: ("bench", "generate", "--preset", "tiny", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
     "bench generate --items 10**20": (
