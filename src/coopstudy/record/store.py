@@ -394,7 +394,10 @@ def chosen_experiment() -> str | None:
     created its run in, when that is not MLflow's Default). None otherwise."""
     named = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     if named:
-        return named
+        try:
+            return config_mod.check_name(named)
+        except ValueError as err:
+            raise UserError(f"MLFLOW_EXPERIMENT_NAME={named!r}: {err}") from None
     check_launcher()
     if LAUNCHER is None or LAUNCHER.experiment_id in ("", "0"):
         return None
