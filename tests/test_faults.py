@@ -1101,6 +1101,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
         ("MLFLOW_TRACKING_URI", "postgresql://nohost/db", "(from MLFLOW_TRACKING_URI) needs the Python module '"),
         # A home whose sub-folders cannot be made (procfs here; read-only alike).
         ("COOPSTUDY_HOME", "/proc/1", "the study's home /proc/1: cannot make /proc/1/"),
+        # A word with no scheme is a folder store to MLflow, which refuses it with a migration notice.
+        ("MLFLOW_TRACKING_URI", "nonsense", "tracking URI 'nonsense' (from MLFLOW_TRACKING_URI) cannot be opened. It names a folder (no scheme, or file:)"),
         # Named as the user set it, not as the config key it becomes.
         ("MLFLOW_EXPERIMENT_NAME", " x ", "MLFLOW_EXPERIMENT_NAME=' x ': a name with spaces at its ends"),
     ],

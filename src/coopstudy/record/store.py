@@ -309,6 +309,12 @@ def client(uri: str | None = None, where: str | None = None):
         # the schemes it knows, which is the useful part of it.
         known = re.search(r"Supported URI schemes are: \[[^]]*\]", err.message)
         why = known.group(0) if known else " ".join(err.message.split())
+        if "filesystem tracking backend" in err.message:
+            # A path or a word with no scheme (a typo, often): MLflow's migration notice does not say so.
+            why = (
+                "It names a folder (no scheme, or file:), which MLflow opens only with MLFLOW_ALLOW_FILE_STORE=true; "
+                "a local store is sqlite:///PATH, a server http(s)://HOST:PORT"
+            )
         raise UserError(f"tracking URI {uri!r} (from {where}) cannot be opened. {why}") from None
     except ImportError as err:
         # A database store (postgresql://, mysql://, ...) whose driver is not installed.
