@@ -24,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from coopstudy import config as config_mod
 from coopstudy.errors import UserError
@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(named if named in STEPS or named in TOOLS else None)
+    # Before parsing, where an undeclared -P help=1 would print the help and succeed.
+    undeclared = _undeclared(named, argv)
+    if undeclared:
+        preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
+        return _refuse(argparse.Namespace(step=named, preset=preset), UserError(undeclared))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         return _refuse(args, UserError(_unrecognized(args.step, unknown)))
@@ -191,24 +196,52 @@ def _refuse(args: argparse.Namespace, err: UserError) -> int:
 
 def _unrecognized(step: str | None, unknown: list[str]) -> str:
     """What is wrong with arguments the parser does not know, in one line."""
-    entry = None
-    if step and os.environ.get("MLFLOW_RUN_ID"):
-        from coopstudy.record import writer
-
-        entry = writer.launching_entry_point()
-    if entry is None:
+    launched = _launching_entry(step)
+    if launched is None:
         return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
-    # Started by `mlflow run`, which turns a -P NAME=VALUE that the entry point
-    # does not declare into --NAME VALUE: say it as the user wrote it.
+    return _not_parameters(*launched, [a[2:] for a in unknown if a.startswith("--")] or unknown)
+
+
+def _undeclared(step: str | None, argv: list[str]) -> str | None:
+    """Under `mlflow run`: options that no part of the entry point's command
+    gave. MLflow turns a -P NAME=VALUE the entry point does not declare into
+    --NAME VALUE, which the parser would obey where NAME is an option
+    (`-P through=prepare`, `-P help=1`): said as the user wrote it."""
+    launched = _launching_entry(step)
+    if launched is None:
+        return None
+    entry, spec = launched
+    command = str(spec.get("command", ""))
+    if command.split()[3:4] != [step]:
+        return None  # not the command `mlflow run` started
+    given = set(re.findall(r"--[\w-]+", command))
+    extra = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in given]
+    return _not_parameters(entry, spec, extra) if extra else None
+
+
+def _launching_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The MLproject entry point `mlflow run` started this process as, and its
+    declaration (empty where MLproject cannot be read); None otherwise."""
+    if not (step and os.environ.get("MLFLOW_RUN_ID")):
+        return None
+    from coopstudy.record import writer
+
+    entry = writer.launching_entry_point()
+    if entry is None:
+        return None
     import yaml
 
     from coopstudy import workspace
 
-    names = [a[2:] for a in unknown if a.startswith("--")] or unknown
     try:
-        declared = sorted(yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"][entry]["parameters"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
-        declared = []
+        spec = yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"][entry]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        spec = None
+    return entry, spec if isinstance(spec, dict) else {}
+
+
+def _not_parameters(entry: str, spec: dict[str, Any], names: list[str]) -> str:
+    declared = sorted(spec.get("parameters") or {})
     takes = f" (it takes {', '.join(f'-P {p}' for p in declared)})" if declared else ""
     return f"-P {', '.join(names)}: not a parameter of entry point {entry}{takes}"
 
