@@ -350,6 +350,8 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     assert replanned.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] == gate
     for stage in ("train", "select", "evaluate", "report"):
         assert copy.runs(stage)[0].data.tags[schema.TAG_PLAN] == replanned.data.tags[schema.TAG_PLAN], stage
+    # Training records the plan's gate, not the newest one (the other config's).
+    assert {r.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] for r in copy.runs("train")[:2]} == {gate}
     assert client.get_run(copy.runs("report")[0].info.run_id).info.status == "FINISHED"
 
 

@@ -237,9 +237,9 @@ class BudgetConfig(_Section):
 
 
 class ScreensConfig(_Section):
-    """Thresholds of the pre-registered screens. Each is bounded so that its
-    screen can both pass and fail: an accuracy difference lies in [-1, 1] and
-    a speedup above 0."""
+    """Thresholds of the pre-registered screens. Those of accuracy and speed
+    are bounded so that no threshold passes every run: an accuracy difference
+    lies in [-1, 1] and a speedup above 0."""
 
     min_accuracy_gain: float = Field(0.10, gt=-1, lt=1)
     retention_max_nll_increase: float = 0.02

@@ -80,28 +80,11 @@ def committed_plan(cfg: Config) -> str:
     """The committed plan's sha256, after checking that nothing it hashes has
     changed; a refusal names what did. Later stages tag their runs with it
     (schema.TAG_PLAN)."""
-    return _committed_plan(cfg)[0]
-
-
-def planned_gate(cfg: Config) -> str | None:
-    """The gate receipt bound by the plan committed for `cfg`; None when there
-    is none, or its file cannot be read (the plan step then commits anew)."""
-    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
-    if entry is None:
-        return None
-    try:
-        return json.loads((workspace.home() / entry.details["file"]).read_text())["gate_receipt"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _committed_plan(cfg: Config) -> tuple[str, str]:
-    """(the committed plan's sha256, the gate receipt it binds), checked as committed_plan says."""
     entry = ledger.Ledger().require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg))
     short = entry.digest[:12]
     stored = workspace.home() / entry.details["file"]
     if not stored.is_file():
-        raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan`")
+        raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan {cfg.arguments}`")
     try:
         old = json.loads(stored.read_text())
     except ValueError:  # not JSON, or not UTF-8: edited all the same
@@ -130,13 +113,26 @@ def _committed_plan(cfg: Config) -> tuple[str, str]:
         raise RefusedError(f"changed since the plan {short} was committed: {err}") from None
     if planning.digest(new) != entry.digest:
         raise RefusedError(f"changed since the plan {short} was committed: {'; '.join(planning.differences(old, new))}; {rerun}")
-    return entry.digest, new["gate_receipt"]
+    return entry.digest
 
 
-def training_inputs(cfg: Config) -> dict[str, str]:
+def planned_gate(cfg: Config) -> str | None:
+    """The gate receipt bound by the plan committed for `cfg`; None when there
+    is none, or its file cannot be read (the plan step then commits anew)."""
+    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
+    if entry is None:
+        return None
+    try:
+        return json.loads((workspace.home() / entry.details["file"]).read_text())["gate_receipt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def training_inputs(cfg: Config, gate: str | None = None) -> dict[str, str]:
     """Tags naming the gate receipt and the inputs any training process (a
-    probe too) depends on, or a refusal that says which is missing."""
-    receipt = gate_receipt()
+    probe too) depends on, or a refusal that says which is missing. `gate`:
+    the receipt bound already (gate_receipt's `bound`)."""
+    receipt = gate_receipt(bound=gate)
     prepared, seed = seeded_inputs(cfg)
     return {
         schema.TAG_REQUIRES_PREFIX + ledger.GATE: receipt.digest,
@@ -150,10 +146,10 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     depends on), or a refusal naming what is missing or changed."""
     # In protocol order: a changed source is first a stale gate receipt, a
     # changed input file first an input that no longer verifies; each names it.
-    tags = training_inputs(cfg)
-    sha, gate = _committed_plan(cfg)
     # The plan's gate receipt, which may be older than the newest (gate_receipt's `bound`).
-    return sha, tags | {schema.TAG_REQUIRES_PREFIX + ledger.GATE: gate, schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
+    tags = training_inputs(cfg, planned_gate(cfg))
+    sha = committed_plan(cfg)
+    return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:

@@ -316,7 +316,7 @@ def client(uri: str | None = None, where: str | None = None):
                 "a local store is sqlite:///PATH, a server http(s)://HOST:PORT"
             )
         raise UserError(f"tracking URI {uri!r} (from {where}) cannot be opened. {why}") from None
-    except ImportError as err:
+    except ModuleNotFoundError as err:
         # A database store (postgresql://, mysql://, ...) whose driver is not installed.
         raise UserError(
             f"tracking URI {uri!r} (from {where}) needs the Python module {err.name!r}, which is not installed; "

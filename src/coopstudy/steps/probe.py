@@ -200,7 +200,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:
         # Probes are training jobs: none shares a device with another.
         with lock.device_lock(devices, f"coopstudy probe --preset {cfg.preset_argument}"):
-            req = require.training_inputs(cfg)
+            # The gate of this config's plan, if it has one, as training will record it.
+            req = require.training_inputs(cfg, require.planned_gate(cfg))
             parent.set_tags(req)
             context = _context(cfg, req)
             limit = f", device capacity {cfg.probe.device_capacity_mb} MiB" if cfg.probe.device_capacity_mb else ""
