@@ -615,14 +615,16 @@ if os.environ.get("COOPSTUDY_TEST_FAULT") == "fill-store-disk":
     _real = _st.save_file
 
     def save_file(tensors, filename, metadata=None):
-        with open(os.environ["COOPSTUDY_TEST_FILLER"], "wb") as filler:
-            try:
-                while True:
-                    filler.write(bytes(65536))
-                    filler.flush()
-            except OSError as err:
-                if err.errno != errno.ENOSPC:
-                    raise
+        # Unbuffered: a buffered file would raise ENOSPC again as it closes.
+        fd = os.open(os.environ["COOPSTUDY_TEST_FILLER"], os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, bytes(65536))
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(fd)
         _real(tensors, filename, metadata=metadata)
 
     _st.save_file = save_file
