@@ -1,9 +1,9 @@
 """Every fixture and helper more than one test module uses; no test module
 imports another.
 
-The tiny study's expensive states are made once per session, as a user makes
-them, through the CLI: the tiny seed, the prepared store, the verified and
-probed store. A test gets its own copy (`prepared_tiny`, `probed_tiny`, or a
+The tiny study's expensive states are made once per session (once, not once
+per xdist worker: made_once), as a user makes them, through the CLI: the tiny
+seed, the prepared store, the verified and probed store. A test gets its own copy (`prepared_tiny`, `probed_tiny`, or a
 module-wide one from `module_store`), so it may change or break it freely.
 Imported by conftest (`from fixtures import *`), which makes them every test's.
 """
@@ -11,6 +11,7 @@ Imported by conftest (`from fixtures import *`), which makes them every test's.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,12 +19,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import pytest
+from filelock import FileLock
 
 from coopstudy import config, workspace
 from coopstudy.commit import require
@@ -112,20 +114,53 @@ def module_store(tmp_path_factory: pytest.TempPathFactory, source: Store, name: 
         yield source.copy(tmp_path_factory.mktemp(name)).use(mp)
 
 
-# Session work is done once even when several modules ask for it.
-_made: dict[str, object] = {}
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name` that `make(folder)` fills once per test session,
+    however many xdist workers ask for it: the first makes it under a lock,
+    the others wait for it and take it (each would otherwise make its own, on
+    the same two cores)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's, above each worker's own
+    folder = shared / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / _MADE).is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / _MADE).touch()
+    return folder
+
+
+_MADE = ".made"
+"""In a made_once folder: `make` finished."""
+_PRINTED = "printed.json"
+"""In a made_once folder of a Store: what the command that made it printed."""
+
+
+def _made_store(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Store], subprocess.CompletedProcess]) -> Store:
+    """A Store made once per session by `make(store)`, which returns what its last command printed."""
+
+    def fill(folder: Path) -> None:
+        done = make(Store(folder / "home", folder / "mlflow.db"))
+        printed = {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        (folder / _PRINTED).write_text(json.dumps(printed))
+
+    folder = made_once(tmp_path_factory, name, fill)
+    printed = subprocess.CompletedProcess(**json.loads((folder / _PRINTED).read_text()))
+    return Store(folder / "home", folder / "mlflow.db", printed)
 
 
 @pytest.fixture(scope="session")
 def tiny_seed_home(tmp_path_factory) -> Path:
     """A workspace holding only the tiny preset's seed model."""
-    if "seed" not in _made:
-        home = tmp_path_factory.mktemp("tiny-seed") / "home"
+
+    def make(folder: Path) -> None:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("COOPSTUDY_HOME", str(home))
+            mp.setenv("COOPSTUDY_HOME", str(folder / "home"))
             resolve_seed(config.load("tiny"))
-        _made["seed"] = home
-    return _made["seed"]  # type: ignore[return-value]
+
+    return made_once(tmp_path_factory, "tiny-seed", make) / "home"
 
 
 @pytest.fixture
@@ -138,14 +173,14 @@ def tiny_seed(tiny_seed_home) -> Seed:
 @pytest.fixture(scope="session")
 def prepared_tiny_store(tiny_seed_home, tmp_path_factory) -> Store:
     """`python -m coopstudy prepare --preset tiny`, run once, as a user runs it."""
-    if "prepared" not in _made:
-        base = tmp_path_factory.mktemp("prepared-tiny")
-        store = Store(base / "home", base / "mlflow.db")
+
+    def make(store: Store) -> subprocess.CompletedProcess:
         shutil.copytree(tiny_seed_home, store.home)
         done = run_cli("prepare", "--preset", "tiny", env=store.env())
         assert done.returncode == 0, done.stderr
-        _made["prepared"] = Store(store.home, store.db, done)
-    return _made["prepared"]  # type: ignore[return-value]
+        return done
+
+    return _made_store(tmp_path_factory, "prepared-tiny", make)
 
 
 @pytest.fixture
@@ -157,14 +192,16 @@ def prepared_tiny(prepared_tiny_store, tmp_path, monkeypatch) -> Store:
 @pytest.fixture(scope="session")
 def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> Store:
     """The prepared tiny store, verified and probed with the preset's grid."""
-    if "probed" not in _made:
-        store = prepared_tiny_store.copy(tmp_path_factory.mktemp("probed-tiny"))
+
+    def make(store: Store) -> subprocess.CompletedProcess:
+        prepared_tiny_store.copy(store.home.parent)
         verified = run_cli("verify", "--preset", "tiny", env=store.env())
         assert verified.returncode == 0, verified.stderr[-3000:]
         probed = run_cli("probe", "--preset", "tiny", env=store.env())
         assert probed.returncode == 0, probed.stderr[-3000:]
-        _made["probed"] = Store(store.home, store.db, probed)
-    return _made["probed"]  # type: ignore[return-value]
+        return probed
+
+    return _made_store(tmp_path_factory, "probed-tiny", make)
 
 
 @pytest.fixture

@@ -44,37 +44,55 @@ class Step:
     stage: str
     after: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
-    still_valid: Callable[[Config, Any], None] | None = field(default=None, compare=False)
+    still_valid: Callable[["Checks", Any], None] | None = field(default=None, compare=False)
     """Raises a UserError when what the step's run left behind no longer verifies."""
 
 
-def _prepared_ok(cfg: Config, run: Any) -> None:
-    require.inputs(cfg)
+@dataclass
+class Checks:
+    """What the reuse checks share: the config, and the plan in force,
+    verified once (re-hashing every source, receipt and input) until a step
+    runs, since one that runs may commit another."""
+
+    cfg: Config
+    _plan: str | None = None
+
+    def plan_in_force(self) -> str:
+        if self._plan is None:
+            self._plan = require.committed_plan(self.cfg)
+        return self._plan
+
+    def step_ran(self) -> None:
+        self._plan = None
 
 
-def _gate_ok(cfg: Config, run: Any) -> None:
+def _prepared_ok(checks: Checks, run: Any) -> None:
+    require.inputs(checks.cfg)
+
+
+def _gate_ok(checks: Checks, run: Any) -> None:
     passed = run.data.tags.get(schema.TAG_GATE)
     if require.gate_receipt(bound=passed).digest != passed:
         raise UserError(f"the gate receipt of run {run.info.run_id} no longer applies")
 
 
-def _probes_ok(cfg: Config, run: Any) -> None:
-    require.probe_receipts_complete(cfg)
+def _probes_ok(checks: Checks, run: Any) -> None:
+    require.probe_receipts_complete(checks.cfg)
 
 
-def _plan_ok(cfg: Config, run: Any) -> None:
-    require.committed_plan(cfg)
+def _plan_ok(checks: Checks, run: Any) -> None:
+    checks.plan_in_force()
 
 
-def _under_plan_ok(cfg: Config, run: Any) -> None:
+def _under_plan_ok(checks: Checks, run: Any) -> None:
     # A plan committed again since (a probe or the gate rerun) reruns every step
     # after it, though their keys, which hash the steps' inputs, not the runs, are the same.
-    if run.data.tags.get(schema.TAG_PLAN) != require.committed_plan(cfg):
+    if run.data.tags.get(schema.TAG_PLAN) != checks.plan_in_force():
         raise UserError(f"run {run.info.run_id} ran under another plan than the one in force")
 
 
-def _checkpoint_ok(cfg: Config, run: Any) -> None:
-    _under_plan_ok(cfg, run)
+def _checkpoint_ok(checks: Checks, run: Any) -> None:
+    _under_plan_ok(checks, run)
     folder = run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
     weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
     if not weights.is_file() or workspace.sha256_file(weights) != run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
@@ -140,16 +158,16 @@ def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
     return workspace.sha256_bytes(json.dumps(body, sort_keys=True).encode())
 
 
-def _reusable_run(step: Step, cfg: Config, key: str) -> str | None:
+def _reusable_run(step: Step, checks: Checks, key: str) -> str | None:
     runs = store.search_runs(
-        cfg.experiment,
+        checks.cfg.experiment,
         f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'",
     )
     if not runs:
         return None
     if step.still_valid is not None:
         try:
-            step.still_valid(cfg, runs[0])
+            step.still_valid(checks, runs[0])
         except UserError:
             return None
     return runs[0].info.run_id
@@ -164,6 +182,7 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
     started. Empty for anything else."""
     keys: dict[str, str] = {}
     found: dict[str | None, str] = {}
+    checks = Checks(cfg)
     for step in STEPS:
         if step.stage != stage and found:
             break  # a stage's steps are consecutive; the later steps' sources need no hashing
@@ -172,7 +191,7 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
             continue
         # A key says "the study's step, after these runs": not so when an
         # upstream step has no run a study would reuse under its key.
-        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], cfg, keys[up]) for up in step.after):
+        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], checks, keys[up]) for up in step.after):
             continue
         own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
         differ = {k for k, v in own.items() if getattr(args, k, None) != v}
@@ -216,6 +235,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
     steps = selected_steps(args.through, args.arm)
     keys: dict[str, str] = {}
+    checks = Checks(cfg)
     t0 = time.perf_counter()
     # Not train-<arm>-<preset>: that is the name of the arm run it starts.
     name = f"study-train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
@@ -223,7 +243,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         for n, step in enumerate(steps):
             key = step_key(step, cfg, keys)
             keys[step.name] = key
-            reused = _reusable_run(step, cfg, key)
+            reused = _reusable_run(step, checks, key)
             if reused:
                 print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged)", flush=True)
                 continue
@@ -232,6 +252,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             if hasattr(step_args, "then"):
                 # The study runs what follows: a "next:" hint would tell the user to.
                 step_args.then = steps[n + 1].stage if n + 1 < len(steps) else None
+            checks.step_ran()
             with writer.tags_for_next_run({schema.TAG_STEP_KEY: key}):
                 MODULES[step.stage].run(cfg, step_args)
         rec.log_metrics({schema.M_STUDY_SECONDS: time.perf_counter() - t0})

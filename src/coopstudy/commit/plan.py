@@ -176,12 +176,26 @@ def commit(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> Co
     return Committed(sha, doc, path, entry, new=True)
 
 
+def file(entry: ledger.Entry) -> Path:
+    """Where the plan committed as `entry` is written."""
+    return workspace.home() / entry.details["file"]
+
+
+def stored(entry: ledger.Entry) -> Any:
+    """The document in the file of the plan committed as `entry`, parsed; None
+    when it holds no JSON (edited). OSError when it cannot be read."""
+    try:
+        return json.loads(file(entry).read_text())
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+
+
 def document(cfg: Config, sha: str) -> dict[str, Any]:
     """The committed plan `sha` of `cfg` (require.committed_plan has checked it)."""
     entry = ledger.Ledger().require(ledger.PLAN, subject(cfg), hint=hint(cfg))
     if entry.digest != sha:
         raise RefusedError(f"plan {sha[:12]} is not the committed plan of this config (that is {entry.digest[:12]})")
-    return json.loads((workspace.home() / entry.details["file"]).read_text())
+    return stored(entry)
 
 
 def hint(cfg: Config) -> str:

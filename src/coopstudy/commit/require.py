@@ -4,7 +4,6 @@ what to run. Every step and the training processes check through here."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from coopstudy import workspace
@@ -82,13 +81,10 @@ def committed_plan(cfg: Config) -> str:
     (schema.TAG_PLAN)."""
     entry = ledger.Ledger().require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg))
     short = entry.digest[:12]
-    stored = workspace.home() / entry.details["file"]
+    stored = planning.file(entry)
     if not stored.is_file():
         raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan {cfg.arguments}`")
-    try:
-        old = json.loads(stored.read_text())
-    except ValueError:  # not JSON, or not UTF-8: edited all the same
-        old = None
+    old = planning.stored(entry)
     if not isinstance(old, dict) or planning.digest(old) != entry.digest:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
         raise RefusedError(
@@ -123,9 +119,10 @@ def planned_gate(cfg: Config) -> str | None:
     if entry is None:
         return None
     try:
-        return json.loads((workspace.home() / entry.details["file"]).read_text())["gate_receipt"]
-    except (OSError, ValueError, KeyError, TypeError):
+        doc = planning.stored(entry)
+    except OSError:
         return None
+    return doc.get("gate_receipt") if isinstance(doc, dict) else None
 
 
 def training_inputs(cfg: Config, gate: str | None = None) -> dict[str, str]:

@@ -229,8 +229,9 @@ SQLITE_HEADER = b"SQLite format 3\0"
 """The first bytes of every SQLite database file."""
 
 
-def _sqlite_file(uri: str) -> Path | None:
-    """The database file of a sqlite: URI; None for any other store."""
+def _sqlite_database(uri: str) -> str | None:
+    """The database of a sqlite: URI, "" for one of no file (`sqlite://`,
+    `sqlite:///`, `sqlite:///:memory:`); None for any other store."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -240,21 +241,15 @@ def _sqlite_file(uri: str) -> Path | None:
         url = make_url(uri)
     except (ArgumentError, ValueError):
         return None  # client() says what is wrong with it
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+    if url.get_backend_name() != "sqlite":
         return None
-    return Path(url.database)
+    return "" if url.database in (None, ":memory:") else url.database
 
 
-def _in_memory(uri: str) -> bool:
-    """A sqlite: URI of no file (`sqlite://`, `sqlite:///`, `sqlite:///:memory:`)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        url = make_url(uri)
-    except (ArgumentError, ValueError):
-        return False
-    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a sqlite: URI; None for any other store, or none."""
+    database = _sqlite_database(uri)
+    return Path(database) if database else None
 
 
 ARTIFACTS_BESIDE_DATABASE = "mlruns"
@@ -267,12 +262,13 @@ def _check_sqlite(uri: str, where: str) -> None:
     database, or a file that cannot be made: MLflow would retry the first and
     the last with backoff for minutes and let SQLAlchemy's traceback out of
     the second."""
-    path = _sqlite_file(uri)
+    database = _sqlite_database(uri)
     said = f"tracking URI {uri!r} (from {where})"
-    if path is None:
-        if _in_memory(uri):
-            raise UserError(f"{said}: an in-memory database, whose records would vanish when the step ends; name a file: sqlite:///PATH")
+    if database is None:
         return
+    if not database:
+        raise UserError(f"{said}: an in-memory database, whose records would vanish when the step ends; name a file: sqlite:///PATH")
+    path = Path(database)
     if path.is_dir():
         raise UserError(f"{said}: {path} is a folder, not a database file")
     if not path.exists():
