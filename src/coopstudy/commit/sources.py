@@ -112,8 +112,8 @@ def library_versions() -> dict[str, str]:
 _PARSED: dict[Path, tuple[str, frozenset[str]]] = {}
 """Source file -> (its text, _imports of it). A stage derives the same
 closures many times (every step key, every check of the plan re-derives
-them): parsing each file once while its text is unchanged took 0.8 s of
-every standalone step on the tiny preset."""
+them): parsed once while its text is unchanged, the keys of a standalone
+`evaluate` took 0.1 s instead of 1.7 s."""
 
 
 def _imports(path: Path) -> frozenset[str]:
