@@ -167,8 +167,11 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
         # Undeclared, though the command's step has such an option: not obeyed, nor --help printed.
         ("main", ("-P", "preset=tiny", "-P", "through=prepare"), "-P through: not a parameter of entry point main (it takes -P overrides, -P preset)"),
         ("verify", ("-P", "preset=tiny", "-P", "help=1"), "-P help: not a parameter of entry point verify (it takes -P overrides, -P preset)"),
+        # A value the parser refuses is refused as the others are, mlflow run's run marked too.
+        ("train", ("-P", "preset=tiny", "-P", "arm=nosuch"), "argument --arm: invalid choice: 'nosuch' (choose from 'control', 'compressed', 'both')"),
     ],
-    ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset", "-P of an option not declared", "-P help"],
+    ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset", "-P of an option not declared", "-P help",
+         "a -P value the parser refuses"],  # fmt: skip
 )
 def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, entry, params, said):
     done = project.run("mlflow", "run", ".", "-e", entry, "--env-manager", "local", *params)

@@ -90,12 +90,21 @@ def _split_overrides(item: str) -> list[str]:
     return [o for o in re.split(r"\s+(?=[A-Za-z_][\w.]*=)", item.strip()) if o]
 
 
+class _BadArguments(Exception):
+    """A mistake in the arguments, as the parser of `prog` words it."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(f"{message} (see `python -m {prog} --help`)")
+        self.step = prog.partition(" ")[2] or None
+
+
 class _Parser(argparse.ArgumentParser):
-    """A mistake in the arguments is one line, as every other user mistake
-    (argparse prints its usage block first); `--help` shows the usage."""
+    """A mistake in the arguments is refused as every other user mistake is
+    (one line; under `mlflow run`, its run marked refused), not argparse's
+    usage block; `--help` shows the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `python -m {self.prog} --help`)\n")
+        raise _BadArguments(self.prog, message)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -135,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     named = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(named if named in STEPS or named in TOOLS else None)
     # Before parsing, where an undeclared -P help=1 would print the help and succeed.
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
     undeclared = _undeclared(named, argv)
     if undeclared:
-        preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
         return _refuse(argparse.Namespace(step=named, preset=preset), UserError(undeclared))
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except _BadArguments as err:
+        return _refuse(argparse.Namespace(step=err.step, preset=preset), UserError(str(err)))
     if unknown:
         return _refuse(args, UserError(_unrecognized(args.step, unknown)))
     try:
