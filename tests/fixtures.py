@@ -3,8 +3,9 @@ imports another.
 
 The tiny study's expensive states are made once per session (once, not once
 per xdist worker: made_once), as a user makes them, through the CLI: the tiny
-seed, the prepared store, the verified and probed store. A test gets its own copy (`prepared_tiny`, `probed_tiny`, or a
-module-wide one from `module_store`), so it may change or break it freely.
+seed, the prepared store, the verified and probed store. A test gets its own
+copy (`prepared_tiny`, `probed_tiny`, or a module-wide one from
+`module_store`), so it may change or break it freely.
 Imported by conftest (`from fixtures import *`), which makes them every test's.
 """
 

@@ -167,15 +167,16 @@ class Ledger:
                 raise
         return entry
 
-    def latest(self, kind: str, subject: str) -> Entry | None:
-        found = [e for e in self.entries() if e.kind == kind and e.subject == subject]
+    def latest(self, kind: str, subject: str, entries: Sequence[Entry] | None = None) -> Entry | None:
+        """The newest entry of this kind and subject, or None; of `entries` where given (read already)."""
+        found = [e for e in (self.entries() if entries is None else entries) if e.kind == kind and e.subject == subject]
         return found[-1] if found else None
 
-    def require(self, kind: str, subject: str, *, hint: str) -> Entry:
+    def require(self, kind: str, subject: str, *, hint: str, entries: Sequence[Entry] | None = None) -> Entry:
         """The newest entry of this kind and subject, or a refusal that says how
         to make it; the ledger's commitments in force are first compared with
-        the record (check_record)."""
-        entries = self.entries()
+        the record (check_record). `entries`: the ledger as read already."""
+        entries = self.entries() if entries is None else entries
         found = [e for e in entries if e.kind == kind and e.subject == subject]
         if not found:
             raise RefusedError(f"no {kind} commitment for {subject} in {self.path}; {hint}")

@@ -4,7 +4,9 @@ what to run. Every step and the training processes check through here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coopstudy import workspace
 from coopstudy.commit import candidates, ledger, receipts, sources
@@ -75,16 +77,45 @@ def probe_receipts_complete(cfg: Config) -> None:
         raise RefusedError(f"no probe receipt for {', '.join(missing)}; run `python -m coopstudy probe {cfg.arguments}`")
 
 
-def committed_plan(cfg: Config) -> str:
+@dataclass(frozen=True)
+class _Read:
+    """The plan committed for a config, read once from the ledger and its file
+    (training checks the gate it binds, then the plan)."""
+
+    book: ledger.Ledger
+    entries: list[ledger.Entry]
+    entry: ledger.Entry | None
+    """The plan's newest entry; None when none is committed."""
+    document: Any
+    """Its file's document: None where the file is missing or holds no JSON, the OSError where it cannot be read."""
+
+
+def _read(cfg: Config) -> _Read:
+    book = ledger.Ledger()
+    entries = book.entries()
+    entry = book.latest(ledger.PLAN, planning.subject(cfg), entries)
+    document: Any = None
+    if entry is not None and planning.file(entry).is_file():
+        try:
+            document = planning.stored(entry)
+        except OSError as err:
+            document = err
+    return _Read(book, entries, entry, document)
+
+
+def committed_plan(cfg: Config, read: _Read | None = None) -> str:
     """The committed plan's sha256, after checking that nothing it hashes has
     changed; a refusal names what did. Later stages tag their runs with it
-    (schema.TAG_PLAN)."""
-    entry = ledger.Ledger().require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg))
+    (schema.TAG_PLAN). `read`: the plan as read already."""
+    read = read or _read(cfg)
+    entry = read.book.require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg), entries=read.entries)
     short = entry.digest[:12]
     stored = planning.file(entry)
     if not stored.is_file():
         raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan {cfg.arguments}`")
-    old = planning.stored(entry)
+    old = read.document
+    if isinstance(old, OSError):
+        raise old
     if not isinstance(old, dict) or planning.digest(old) != entry.digest:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
         raise RefusedError(
@@ -112,17 +143,11 @@ def committed_plan(cfg: Config) -> str:
     return entry.digest
 
 
-def planned_gate(cfg: Config) -> str | None:
+def planned_gate(cfg: Config, read: _Read | None = None) -> str | None:
     """The gate receipt bound by the plan committed for `cfg`; None when there
     is none, or its file cannot be read (the plan step then commits anew)."""
-    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
-    if entry is None:
-        return None
-    try:
-        doc = planning.stored(entry)
-    except OSError:
-        return None
-    return doc.get("gate_receipt") if isinstance(doc, dict) else None
+    document = (read or _read(cfg)).document
+    return document.get("gate_receipt") if isinstance(document, dict) else None
 
 
 def training_inputs(cfg: Config, gate: str | None = None) -> dict[str, str]:
@@ -144,8 +169,9 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     # In protocol order: a changed source is first a stale gate receipt, a
     # changed input file first an input that no longer verifies; each names it.
     # The plan's gate receipt, which may be older than the newest (gate_receipt's `bound`).
-    tags = training_inputs(cfg, planned_gate(cfg))
-    sha = committed_plan(cfg)
+    read = _read(cfg)
+    tags = training_inputs(cfg, planned_gate(cfg, read))
+    sha = committed_plan(cfg, read)
     return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
