@@ -2,4 +2,4 @@ import sys
 
 from coopstudy import cli
 
-sys.exit(cli.main(["bench", *sys.argv[1:]]))
+cli.entry(["bench", *sys.argv[1:]])
