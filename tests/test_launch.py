@@ -224,3 +224,29 @@ def test_a_sighup_of_a_stage_stops_it_as_a_sigterm_does():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_stop_that_comes_while_the_launch_starts_stops_what_it_started(monkeypatch):
+    # Raised inside Popen after its fork, a stop would leave the new process
+    # running with nothing holding it; it waits until the launch can stop it.
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_signalled(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # where the handler would have raised, had it not waited
+            time.sleep(0.01)
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signalled)
+    try:
+        with pytest.raises(launch.Terminated, match="^stopped by SIGTERM"):
+            launch.run([sys.executable, "-c", "import time; time.sleep(60)"], os.environ, 1)
+        (proc,) = started
+        assert proc.poll() is not None, "the launched process outlived the stop"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -303,6 +303,9 @@ class _Stop:
     """stopping() contexts open: the handlers are this module's while above 0."""
     raised = False
     """A stop signal has raised already: those after it are let pass."""
+    held: int | None = None
+    """While a launch starts: None, or the stop signal that came meanwhile."""
+    holding = False
 
 
 def _on_stop_signal(signum: int, frame: object) -> None:
@@ -313,6 +316,9 @@ def _on_stop_signal(signum: int, frame: object) -> None:
         if signum == signal.SIGINT:  # Ctrl-C again: say why nothing happens, and what would
             # os.write, not print: the main thread may be inside a print to stderr.
             os.write(2, ALREADY_STOPPING.format(pid=os.getpid()).encode())
+        return
+    if _Stop.holding:
+        _Stop.held = _Stop.held or signum
         return
     _Stop.raised = True
     if signum == signal.SIGINT:
@@ -394,6 +400,29 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """A stop signal waits while inside: raised within Popen, after its fork,
+    it would leave the new process running with nothing to stop it (Popen
+    returns no handle). Where Popen fails, the stop is raised at once."""
+    _Stop.holding = True
+    try:
+        yield
+    except BaseException:
+        _raise_held()
+        raise
+    finally:
+        _Stop.holding = False
+
+
+def _raise_held() -> None:
+    """Raise the stop signal that came while a launch started, if one did."""
+    _Stop.holding = False
+    signum, _Stop.held = _Stop.held, None
+    if signum is not None:
+        _on_stop_signal(signum, None)
+
+
 def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None) -> Exit:
     """Start `cmd`, wait for it, and time it from the outside. `held` (a
     run.lock.Held) records the launch's process group while it runs."""
@@ -402,8 +431,10 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         # Its own process group: a terminal's Ctrl-C reaches the stage only,
         # which stops the processes in order; and the group outlives the stage
         # should the stage be killed, for the next job to find.
-        proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
+        with _starting():
+            proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
         try:
+            _raise_held()
             if held is not None:
                 held.note(process_group=proc.pid)
             returncode = proc.wait()
