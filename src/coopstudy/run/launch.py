@@ -303,9 +303,10 @@ class _Stop:
     """stopping() contexts open: the handlers are this module's while above 0."""
     raised = False
     """A stop signal has raised already: those after it are let pass."""
-    held: int | None = None
-    """While a launch starts: None, or the stop signal that came meanwhile."""
-    holding = False
+    starting = False
+    """A launch is starting: a stop signal waits (_starting)."""
+    waiting: int | None = None
+    """The stop signal that came while a launch started, if one did."""
 
 
 def _on_stop_signal(signum: int, frame: object) -> None:
@@ -317,8 +318,8 @@ def _on_stop_signal(signum: int, frame: object) -> None:
             # os.write, not print: the main thread may be inside a print to stderr.
             os.write(2, ALREADY_STOPPING.format(pid=os.getpid()).encode())
         return
-    if _Stop.holding:
-        _Stop.held = _Stop.held or signum
+    if _Stop.starting:
+        _Stop.waiting = _Stop.waiting or signum
         return
     _Stop.raised = True
     if signum == signal.SIGINT:
@@ -405,20 +406,20 @@ def _starting() -> Iterator[None]:
     """A stop signal waits while inside: raised within Popen, after its fork,
     it would leave the new process running with nothing to stop it (Popen
     returns no handle). Where Popen fails, the stop is raised at once."""
-    _Stop.holding = True
+    _Stop.starting = True
     try:
         yield
     except BaseException:
-        _raise_held()
+        _raise_waiting()
         raise
     finally:
-        _Stop.holding = False
+        _Stop.starting = False
 
 
-def _raise_held() -> None:
+def _raise_waiting() -> None:
     """Raise the stop signal that came while a launch started, if one did."""
-    _Stop.holding = False
-    signum, _Stop.held = _Stop.held, None
+    _Stop.starting = False
+    signum, _Stop.waiting = _Stop.waiting, None
     if signum is not None:
         _on_stop_signal(signum, None)
 
@@ -434,7 +435,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         with _starting():
             proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
         try:
-            _raise_held()
+            _raise_waiting()
             if held is not None:
                 held.note(process_group=proc.pid)
             returncode = proc.wait()
