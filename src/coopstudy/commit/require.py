@@ -95,9 +95,11 @@ def _read(cfg: Config) -> _Read:
     entries = book.entries()
     entry = book.latest(ledger.PLAN, planning.subject(cfg), entries)
     document: Any = None
-    if entry is not None and planning.file(entry).is_file():
+    if entry is not None:
+        # Kept, not raised: training checks the gate first, which needs no plan file.
         try:
-            document = planning.stored(entry)
+            if planning.file(entry).is_file():
+                document = planning.stored(entry)
         except OSError as err:
             document = err
     return _Read(book, entries, entry, document)

@@ -304,7 +304,7 @@ class _Stop:
     raised = False
     """A stop signal has raised already: those after it are let pass."""
     starting = False
-    """A launch is starting: a stop signal waits (_starting)."""
+    """A launch is starting (run): a stop signal waits until it can be stopped."""
     waiting: int | None = None
     """The stop signal that came while a launch started, if one did."""
 
@@ -356,7 +356,8 @@ def stopping() -> Iterator[None]:
             signal.signal(s, handler)
         _Stop.depth -= 1
         if _Stop.depth == 0:
-            _Stop.raised = False
+            _Stop.raised = _Stop.starting = False
+            _Stop.waiting = None
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -401,23 +402,9 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-@contextlib.contextmanager
-def _starting() -> Iterator[None]:
-    """A stop signal waits while inside: raised within Popen, after its fork,
-    it would leave the new process running with nothing to stop it (Popen
-    returns no handle). Where Popen fails, the stop is raised at once."""
-    _Stop.starting = True
-    try:
-        yield
-    except BaseException:
-        _raise_waiting()
-        raise
-    finally:
-        _Stop.starting = False
-
-
 def _raise_waiting() -> None:
-    """Raise the stop signal that came while a launch started, if one did."""
+    """End a launch's start (_Stop.starting): raise the stop signal that came
+    meanwhile, if one did."""
     _Stop.starting = False
     signum, _Stop.waiting = _Stop.waiting, None
     if signum is not None:
@@ -432,8 +419,15 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         # Its own process group: a terminal's Ctrl-C reaches the stage only,
         # which stops the processes in order; and the group outlives the stage
         # should the stage be killed, for the next job to find.
-        with _starting():
+        # A stop signal waits from here until the `try` below can stop `proc`:
+        # raised within Popen, after its fork, it would leave the new process
+        # running with nothing to stop it.
+        _Stop.starting = True
+        try:
             proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
+        except BaseException:
+            _raise_waiting()
+            raise
         try:
             _raise_waiting()
             if held is not None:
