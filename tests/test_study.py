@@ -160,6 +160,10 @@ def test_a_study_from_scratch_agrees_to_the_byte(first, tmp_path):
     done = subprocess.run([sys.executable, "-m", "coopstudy", "study", "--preset", "tiny"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    # The seed was made here: the libraries' lines while saving it (a progress
+    # bar, DeepSpeed's warning that it found no GPU) stay out of the study's.
+    assert "Writing model shards" not in done.stderr, done.stderr[-4000:]
+    assert not [line for line in done.stdout.splitlines() if "[WARNING]" in line], done.stdout[:4000]
     one, two = first.outcome, _outcome(home)
 
     assert one["seeds"] == two["seeds"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -25,6 +26,15 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def name_the_accelerator(env: MutableMapping[str, str]) -> None:
+    """Tell DeepSpeed there is no GPU where there is none: it detects its
+    accelerator when imported, with a warning on stdout in every process that
+    finds only the CPU. transformers imports it too, in `save_pretrained`
+    (accelerate's unwrap looks for its engine)."""
+    if not cuda_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def native_bf16() -> bool:

@@ -133,6 +133,20 @@ def _cached(name: str, info: dict[str, Any], build) -> Path:
     return final
 
 
+def _save(model: Any, tokenizer: Any, out: Path) -> None:
+    """Write a made seed, saying nothing: prepare's own lines report it."""
+    from transformers.utils import logging as hf_logging
+
+    from coopstudy import machine
+
+    # A one-step "Writing model shards" bar, and DeepSpeed's warning that it
+    # found no GPU (save_pretrained imports it), would sit among prepare's lines.
+    hf_logging.disable_progress_bar()
+    machine.name_the_accelerator(os.environ)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def _random_seed(model: ModelConfig) -> Path:
     gguf = gguf_path(model)
     sizes = model.model_dump(include={"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "init_seed"})
@@ -162,8 +176,7 @@ def _random_seed(model: ModelConfig) -> Path:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(model.init_seed)
             net = LlamaForCausalLM(config).to(torch.float32)
-        net.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        _save(net, tokenizer, out)
 
     return _cached(f"random-{key}", info, build)
 
@@ -188,8 +201,7 @@ def _gguf_seed(model: ModelConfig) -> Path:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(loaded.state_dict())
         plain.generation_config = loaded.generation_config
-        plain.save_pretrained(out)
-        _gguf_tokenizer(gguf).save_pretrained(out)
+        _save(plain, _gguf_tokenizer(gguf), out)
 
     return _cached(f"gguf-{source_sha[:16]}", info, build)
 

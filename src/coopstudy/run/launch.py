@@ -122,10 +122,7 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     set_malloc(env)
     env[writer.ENV_RUN_ID] = run_id
-    if not machine.cuda_available():
-        # Tells DeepSpeed (the launcher, and transformers' checks for it) what
-        # it would otherwise detect with a warning in every process.
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    machine.name_the_accelerator(env)
     set_allocator(env, allocator)
     return env
 
