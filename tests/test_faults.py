@@ -1084,6 +1084,18 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     assert all(r.info.status == "FAILED" and r.data.tags[schema.TAG_STAGE] == argv[0] for r in runs), runs
 
 
+def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
+    # A mistake seen only once the store is open, on a store that is not there
+    # yet: MLflow would say, before the refusal, that it makes its tables.
+    db = tmp_path / "new" / "mlflow.db"
+    done = run_cli("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "1",
+                   env={"MLFLOW_TRACKING_URI": f"sqlite:///{db}"})  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == ["coopstudy train: error: --nodes 2 needs --master-addr, --master-port "
+                                                "(the same address and port on every node)"], done.stderr[-3000:]  # fmt: skip
+    assert db.is_file()
+
+
 @pytest.mark.parametrize(
     "variable, value, said",
     [

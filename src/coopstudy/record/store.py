@@ -198,9 +198,7 @@ def tracking_uri() -> str:
         if parts.scheme in ("http", "https"):
             use_http_defaults()
         elif parts.scheme == "sqlite":
-            # MLflow logs a SQLite error's whole traceback before raising it; a full
-            # disk is said in one line instead (cli.main, on_full_disk).
-            logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_WHEN_FULL)
+            logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
     return uri
 
 
@@ -217,12 +215,19 @@ def full_disk_said() -> str:
     return f"the disk of the tracking store {tracking_uri()} is full (database or disk is full)"
 
 
-class _QuietWhenFull(logging.Filter):
+class _QuietStore(logging.Filter):
+    """What MLflow logs of a SQLite store that a step says itself, or need not:
+    the tables it makes in a new store (two INFO lines before a refusal's one),
+    and a SQLite error's whole traceback before it raises it (a full disk is
+    said in one line, cli.main and on_full_disk)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.INFO:
+            return False
         return not (record.exc_info and record.exc_info[1] is not None and on_full_disk(record.exc_info[1]))
 
 
-_QUIET_WHEN_FULL = _QuietWhenFull()
+_QUIET_STORE = _QuietStore()
 
 
 SQLITE_HEADER = b"SQLite format 3\0"
