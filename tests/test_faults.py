@@ -210,7 +210,7 @@ def _numerical_source(store: Store, tmp: Path) -> Tampered:
     source.write_bytes(source.read_bytes() + b"\n")
     return Tampered(
         ("numerical sources changed since the gate receipt: numerics/objective.py",),
-        "`python -m coopstudy verify`",
+        "`python -m coopstudy verify --preset tiny`",
         env={"PYTHONPATH": str(project / "src")},
     )
 
@@ -1003,6 +1003,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "plan before prepare, with overrides": (
         lambda tmp: ("plan", "--preset", "tiny", "--set", "train.lr=2e-4", "--set", "data.families=[gcd, chain_sum]"),
         "run `python -m coopstudy prepare --preset tiny --set train.lr=2e-4 --set 'data.families=[gcd, chain_sum]'` first",
+    ),
+    # Not one refusal per missing step (select, then probe, verify, prepare): one command for all of them.
+    "select before anything": (
+        lambda tmp: ("select", "--preset", "tiny", "--set", "train.lr=2e-4"),
+        "run `python -m coopstudy study --preset tiny --set train.lr=2e-4 --through plan` first (it runs what is missing of prepare, verify, probe and plan)",
     ),
     "preset that is a folder": (lambda tmp: ("prepare", "--preset", str(_a_folder(tmp, "presets"))), "a preset is a name from configs/ or a path to a .yaml file"),
     "unknown preset": (lambda tmp: ("prepare", "--preset", "no-such-preset"), "unknown preset 'no-such-preset'"),

@@ -72,7 +72,7 @@ def _prepared_ok(checks: Checks, run: Any) -> None:
 
 def _gate_ok(checks: Checks, run: Any) -> None:
     passed = run.data.tags.get(schema.TAG_GATE)
-    if require.gate_receipt(bound=passed).digest != passed:
+    if require.gate_receipt(checks.cfg, bound=passed).digest != passed:
         raise UserError(f"the gate receipt of run {run.info.run_id} no longer applies")
 
 

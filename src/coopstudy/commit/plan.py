@@ -199,7 +199,8 @@ def document(cfg: Config, sha: str) -> dict[str, Any]:
 
 
 def hint(cfg: Config) -> str:
-    steps = f"`python -m coopstudy plan {cfg.arguments}`"
-    if not receipts.receipt_hashes(cfg):
-        steps = f"`python -m coopstudy probe {cfg.arguments}` and {steps}"
-    return f"run {steps} first"
+    if receipts.receipt_hashes(cfg):
+        return f"run `python -m coopstudy plan {cfg.arguments}` first"
+    # Probe may need verify and prepare before it: one command that runs
+    # whatever of them is missing, rather than one refusal per step.
+    return f"run `python -m coopstudy study {cfg.arguments} --through plan` first (it runs what is missing of prepare, verify, probe and plan)"

@@ -190,8 +190,11 @@ def probe_key(cfg: Config) -> str:
     return workspace.sha256_bytes(json.dumps(raw, sort_keys=True).encode())
 
 
-def probe_dir(cfg: Config) -> Path:
-    return workspace.subdir("probes", probe_key(cfg)[:16])
+def probe_dir(cfg: Config, *, make: bool = False) -> Path:
+    """Where the receipts of `cfg`'s probe lie; made only to write one (a
+    refusal that reads it leaves the study's folder as it was)."""
+    parts = ("probes", probe_key(cfg)[:16])
+    return workspace.subdir(*parts) if make else workspace.home().joinpath(*parts)
 
 
 def _relative(path: Path) -> str:
@@ -202,7 +205,7 @@ def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledge
     """Write a candidate's receipt (replacing that candidate's earlier one: the
     ledger and its run keep every attempt) and commit it to the ledger."""
     name = receipt["setting"]["name"]
-    path = probe_dir(cfg) / f"{name}.json"
+    path = probe_dir(cfg, make=True) / f"{name}.json"
     path.write_text(json.dumps(receipt, indent=2, sort_keys=True))
     sha = workspace.sha256_file(path)
     entry = ledger.Ledger().append(

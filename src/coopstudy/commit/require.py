@@ -17,9 +17,6 @@ from coopstudy.inputs import data
 from coopstudy.inputs.seed import Seed, resolve_seed
 from coopstudy.record import schema
 
-GATE_HINT = "run `python -m coopstudy verify`"
-
-
 def inputs(cfg: Config, book: ledger.Ledger | None = None) -> data.Prepared:
     """The committed inputs of `cfg`, re-hashed; refused when missing or changed."""
     entry = (book or ledger.Ledger()).require(
@@ -44,13 +41,17 @@ def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
     return prepared, seed
 
 
-def gate_receipt(book: ledger.Ledger | None = None, *, directory: Path | None = None, bound: str | None = None) -> ledger.Entry:
+def gate_receipt(
+    cfg: Config | None = None, book: ledger.Ledger | None = None, *, directory: Path | None = None, bound: str | None = None
+) -> ledger.Entry:
     """The ledger entry of a passed gate on the current numerical sources and
-    libraries, or a refusal that names what changed. `bound`: the digest of
-    the receipt a plan or a verify run already holds, kept while it still
-    applies, so that a gate passed since for another config (verify with
+    libraries, or a refusal that names what changed and what to run (verify
+    of `cfg`, whose optimizer settings the gate's cases use). `bound`: the
+    digest of the receipt a plan or a verify run already holds, kept while it
+    still applies, so that a gate passed since for another config (verify with
     other optimizer settings) does not undo that plan; otherwise the newest."""
     book = book or ledger.Ledger()
+    hint = f"run `python -m coopstudy verify{f' {cfg.arguments}' if cfg else ''}`"
     sha, files = sources.numerical_sources_sha256(directory)
     libs = sources.library_versions()
     passed = [e for e in book.entries() if e.kind == ledger.GATE and e.subject == sources.GATE_SUBJECT]
@@ -58,14 +59,14 @@ def gate_receipt(book: ledger.Ledger | None = None, *, directory: Path | None = 
     if holding:
         return next((e for e in holding if e.digest == bound), holding[-1])
     if not passed:
-        raise RefusedError(f"no gate receipt for the numerical sources in {book.path}; {GATE_HINT}")
+        raise RefusedError(f"no gate receipt for the numerical sources in {book.path}; {hint}")
     latest = passed[-1].details
     changed = [name for name in files if latest.get("sources", {}).get(name) != files[name]]
     changed += [name for name in latest.get("sources", {}) if name not in files]
     if changed:
-        raise RefusedError(f"numerical sources changed since the gate receipt: {', '.join(changed)}; {GATE_HINT}")
+        raise RefusedError(f"numerical sources changed since the gate receipt: {', '.join(changed)}; {hint}")
     moved = [f"{k} {latest.get('libraries', {}).get(k)} -> {v}" for k, v in libs.items() if latest.get("libraries", {}).get(k) != v]
-    raise RefusedError(f"library versions changed since the gate receipt: {', '.join(moved)}; {GATE_HINT}")
+    raise RefusedError(f"library versions changed since the gate receipt: {', '.join(moved)}; {hint}")
 
 
 def probe_receipts_complete(cfg: Config) -> None:
@@ -135,7 +136,7 @@ def committed_plan(cfg: Config, read: _Read | None = None) -> str:
         changed = sources.changed(old["probe_receipts"], hashes)
         raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}; {rerun}")
     try:
-        new = planning.build(cfg, inputs(cfg), gate_receipt(bound=old.get("gate_receipt")))
+        new = planning.build(cfg, inputs(cfg), gate_receipt(cfg, bound=old.get("gate_receipt")))
     except RefusedError as err:
         # Inputs that no longer verify, a gate receipt that no longer matches:
         # the message names the file.
@@ -156,7 +157,7 @@ def training_inputs(cfg: Config, gate: str | None = None) -> dict[str, str]:
     """Tags naming the gate receipt and the inputs any training process (a
     probe too) depends on, or a refusal that says which is missing. `gate`:
     the receipt bound already (gate_receipt's `bound`)."""
-    receipt = gate_receipt(bound=gate)
+    receipt = gate_receipt(cfg, bound=gate)
     prepared, seed = seeded_inputs(cfg)
     return {
         schema.TAG_REQUIRES_PREFIX + ledger.GATE: receipt.digest,

@@ -66,7 +66,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console = ui.console(140)
     with writer.stage_run(schema.STAGE_PLAN, cfg, run_name=f"plan-{cfg.preset}") as rec:
         # The gate the config's plan binds, while it holds: a gate passed since for another config changes nothing here.
-        done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt(bound=require.planned_gate(cfg)))
+        done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt(cfg, bound=require.planned_gate(cfg)))
         doc = done.document
         rec.log_dict(doc, schema.ART_PLAN)
         rec.set_tags(
