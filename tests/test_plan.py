@@ -79,6 +79,12 @@ def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_pat
     assert doc["choice"]["compressed"]["default"]["largest_completed_microbatch"] == 3
     # Shown, on record, and committed once.
     assert "plan: each arm's setting and projection" in done.stdout and f"plan {sha} committed" in done.stdout
+    # The table's allocator and receipt differ; a line says why that stands (CPU).
+    assert ("note: control runs with the expandable allocator; its receipt control-mb4-default.json stands for it: "
+            "on CPU the allocator setting changes nothing (it configures CUDA's allocator only)") in done.stdout.splitlines()  # fmt: skip
+    # Off a terminal no line is broken: the plan's path stays whole.
+    (entry,) = [e for e in ledger.Ledger().entries() if e.kind == ledger.PLAN and e.digest == sha]
+    assert f"plan {sha} committed (ledger entry {entry.seq}): {plan.file(entry)}" in done.stdout.splitlines()
     (run,) = _runs(f"attributes.run_name = 'plan-tiny' and tags.`{schema.TAG_PLAN}` = '{sha}'")
     assert json.loads(store.download_artifact(run.info.run_id, schema.ART_PLAN, tmp_path).read_text()) == doc
     again = run_cli("plan", "--preset", "tiny")

@@ -25,8 +25,9 @@ Advance = Callable[..., None]
 
 def console(min_width: int = 110) -> Console:
     """A console at least `min_width` columns wide, so tables stay whole in a file or a pipe
-    (rich assumes 80 columns there)."""
-    return Console(width=max(Console().width, min_width))
+    (rich assumes 80 columns there). There a line is never broken either: a path
+    or a sha split over two lines is lost to grep and to copy and paste."""
+    return Console(width=max(Console().width, min_width), soft_wrap=not sys.stdout.isatty())
 
 
 def _shown(fields: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from rich.table import Table
 
 from coopstudy import ui
-from coopstudy.commit import ledger, plan, require
+from coopstudy.commit import ledger, plan, receipts, require
 from coopstudy.config import Config
 from coopstudy.record import schema, writer
 
@@ -49,9 +49,15 @@ def _table(doc: dict) -> Table:
 
 
 def _notes(doc: dict) -> list[str]:
-    """Where the preset's setting is not the probes' largest completed microbatch."""
+    """Where the preset's setting is not the probes' largest completed
+    microbatch, and where an arm's receipt is of the other allocator."""
     notes = []
     for arm, a in doc["arms"].items():
+        if a["receipt"] != f"{receipts.setting_name(arm, a['microbatch'], a['allocator'])}.json":
+            notes.append(
+                f"note: {arm} runs with the {a['allocator']} allocator; its receipt {a['receipt']} stands for it: "
+                "on CPU the allocator setting changes nothing (it configures CUDA's allocator only)"
+            )
         cell = doc["choice"].get(arm, {}).get(a["allocator"], {})
         largest = cell.get("largest_completed_microbatch")
         if largest is not None and largest != a["microbatch"]:
