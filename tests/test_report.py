@@ -258,6 +258,8 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert setup > 0 and compressed["bytes_total_all_workers"] == 2 * (compressed["bytes_total"] - setup) + setup
     assert compressed["workers"] == 2
     assert "bytes sent, all workers, total" in md and "rank 0's collective payload" in md
+    # What the per-worker total holds is in the table: the phases and the setup broadcast beside it.
+    assert f"| bytes sent by rank 0, DDP's setup broadcast | 0 | {setup:,.0f} |" in md
     # Each source, the counts and the overlap check are stated.
     assert report["inputs"]["split"] == MANIFEST["split"] and report["inputs"]["sha256"] == INPUTS
     assert "Replay: 16 conversations from chitchat (chitchat-dataset 0.9.0" in md
