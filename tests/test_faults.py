@@ -979,7 +979,7 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "preset with a YAML syntax error": (
         lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("model:", "model: [", 1))),
-        "not valid YAML",
+        "/preset.yaml: not valid YAML at line 5, column 14: expected ',' or ']', but got ':' (ParserError)",
     ),
     "preset with a wrong type": (
         lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("updates: 6", "updates: six", 1))),
@@ -1034,7 +1034,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "--nodes 1 with node options": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29600"),
-        "--node-rank, --master-addr, --master-port start one node of a job on several hosts; --nodes 1 is a job on this host alone",
+        "--node-rank, --master-addr, --master-port: options of one node of a job on several hosts; --nodes 1 is a job on this host alone",
+    ),
+    "--run-id without --nodes": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--run-id", "0" * 32),
+        "--run-id: an option of one node of a job on several hosts; give --nodes too",
     ),
     "probe --hostfile without a compressed candidate": (
         lambda tmp: ("probe", "--preset", "tiny", "--set", "probe.candidates=[{arm: control, microbatch: 4}]", "--hostfile", _hostfile(tmp, "a slots=1\nb slots=1\n")),

@@ -128,6 +128,14 @@ def test_help_lists_every_command_without_loading_torch(cli):
     assert loaded.stdout.strip() == "[]"
 
 
+def test_version_says_the_installed_package(cli):
+    from importlib import metadata
+
+    done = cli("--version")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"coopstudy {metadata.version('coopstudy')}"
+
+
 def test_two_projects_sharing_one_environment_keep_their_own_study_files(project, tmp_path, tiny_seed_home):
     other = Project(checkout_copy(tmp_path / "other"), tiny_seed_home)
     # The other copy runs this copy's package: one environment, two projects.

@@ -343,12 +343,19 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     select = copy.coopstudy("select", "--preset", "tiny")
     assert select.returncode == 2 and "were already selected" in select.stderr, select.stderr[-3000:]
 
+    trained = {r.data.tags[schema.TAG_ARM]: r.info.run_id for r in copy.runs("train")}
     probe = copy.coopstudy("probe", "--preset", "tiny")
     assert probe.returncode == 0, probe.stderr[-3000:]
+    said = f"note: plan {planned.data.tags[schema.TAG_PLAN][:12]} of this config binds the receipts this probe replaced: "
+    assert said in probe.stdout, probe.stdout[-3000:]
     again = copy.coopstudy("study", "--preset", "tiny")
     assert again.returncode == 0, again.stderr[-3000:]
     assert _steps(again.stdout, "reused") == ["prepare", "verify", "probe"]
     assert _steps(again.stdout, "running") == list(study.STEP_NAMES[3:])
+    # Each step that runs again though a run holds its key says why that run is not reused.
+    assert "study: plan: running (not reused: changed since the plan " in again.stdout, again.stdout[-3000:]
+    for arm, run_id in trained.items():
+        assert f"study: train-{arm}: running (not reused: run {run_id} ran under another plan than the one in force)" in again.stdout
     replanned = copy.runs("plan")[0]
     assert replanned.data.tags[schema.TAG_PLAN] != planned.data.tags[schema.TAG_PLAN]
     assert replanned.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] == gate

@@ -108,6 +108,15 @@ class _Parser(argparse.ArgumentParser):
         raise _BadArguments(self.prog, message)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("coopstudy")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only`, just that command's sub-parser: a command
     then imports no other command's module (some import torch at the top)."""
@@ -118,10 +127,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
         description=(
             "A pre-registered study: PowerSGD-compressed two-worker DDP fine-tuning against a "
-            "single-device control, every step an MLflow run. Steps run in the order listed; "
-            "each refuses when a commitment it depends on is missing or changed."
+            "single-device control, every step an MLflow run. The steps run in the order listed, "
+            "prepare to report (`study` runs them all, reusing what is done); each refuses when a "
+            "commitment it depends on is missing or changed. bench, dev-split and remote are tools beside them."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
     for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
         module = _module(name)

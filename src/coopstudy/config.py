@@ -433,7 +433,9 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"preset {path}: not valid YAML ({err.__class__.__name__})") from None
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None and problem else ""
+        raise ConfigError(f"preset {path}: not valid YAML{where} ({err.__class__.__name__})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"preset {path}: not UTF-8 text") from None
     except OSError as err:

@@ -158,19 +158,21 @@ def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
     return workspace.sha256_bytes(json.dumps(body, sort_keys=True).encode())
 
 
-def _reusable_run(step: Step, checks: Checks, key: str) -> str | None:
+def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str | None]:
+    """(the run a study reuses, None), or (None, why the newest finished run
+    under the key is not reused; None where there is none)."""
     runs = store.search_runs(
         checks.cfg.experiment,
         f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'",
     )
     if not runs:
-        return None
+        return None, None
     if step.still_valid is not None:
         try:
             step.still_valid(checks, runs[0])
-        except UserError:
-            return None
-    return runs[0].info.run_id
+        except UserError as err:
+            return None, str(err)
+    return runs[0].info.run_id, None
 
 
 def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[str | None, str]:
@@ -191,7 +193,7 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
             continue
         # A key says "the study's step, after these runs": not so when an
         # upstream step has no run a study would reuse under its key.
-        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], checks, keys[up]) for up in step.after):
+        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], checks, keys[up])[0] for up in step.after):
             continue
         own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
         differ = {k for k, v in own.items() if getattr(args, k, None) != v}
@@ -243,11 +245,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         for n, step in enumerate(steps):
             key = step_key(step, cfg, keys)
             keys[step.name] = key
-            reused = _reusable_run(step, checks, key)
+            reused, stale = _reusable_run(step, checks, key)
             if reused:
                 print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged)", flush=True)
                 continue
-            print(f"study: {step.name}: running", flush=True)
+            print(f"study: {step.name}: running{f' (not reused: {stale})' if stale else ''}", flush=True)
             step_args = _step_args(step, args)
             if hasattr(step_args, "then"):
                 # The study runs what follows: a "next:" hint would tell the user to.

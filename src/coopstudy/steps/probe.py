@@ -13,6 +13,7 @@ from rich.table import Table
 
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
+from coopstudy.commit import plan as planning
 from coopstudy.config import Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
@@ -216,6 +217,24 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console.print(_choice_table(choice, cfg))
     console.print(f"receipts: {receipts.probe_dir(cfg)}", highlight=False)
     if args.then is None:
+        replaced = _plan_replaced(cfg)
+        if replaced:
+            console.print(
+                f"note: plan {replaced[:12]} of this config binds the receipts this probe replaced: train and every step "
+                "after it refuse until the plan is committed again, and then run again",
+                highlight=False,
+            )
         # The plan is of this config: without the same overrides it would be another's.
         console.print(f"next: `python -m coopstudy plan {cfg.arguments}` records the choice in the plan", highlight=False, soft_wrap=True)
     return 0
+
+
+def _plan_replaced(cfg: Config) -> str | None:
+    """The committed plan of `cfg` whose probe receipts are no longer the ones on disk, if any."""
+    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
+    if entry is None or not planning.file(entry).is_file():
+        return None
+    document = planning.stored(entry)
+    if not isinstance(document, dict) or document.get("probe_receipts") == receipts.receipt_hashes(cfg):
+        return None
+    return entry.digest

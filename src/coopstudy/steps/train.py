@@ -121,7 +121,8 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
     if count is None or count == 1:
         if given:
             nodes = "give --nodes too" if count is None else "--nodes 1 is a job on this host alone, which takes none of them"
-            raise UserError(f"{', '.join(given)} start one node of a job on several hosts; {nodes}")
+            what = "options" if len(given) > 1 else "an option"
+            raise UserError(f"{', '.join(given)}: {what} of one node of a job on several hosts; {nodes}")
         return None
     workers = cfg.arms.compressed.workers
     if count < 1:
