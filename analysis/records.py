@@ -70,6 +70,7 @@ CASE_COLUMNS = ("case_id", "family", "score")
 RETENTION_COLUMNS = ("doc_id", "tokens", "nll_sum", "mean_nll")
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
+_SHORT_SHA = re.compile(r"^[0-9a-f]{12,63}$")
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,17 @@ def study_key(cfg: Config, plan: str | None) -> StudyKey:
         return StudyKey(schema.TAG_CONFIG_SHA, store.config_sha256(cfg))
     plan = plan.strip().lower()
     # The value goes into a search filter: only hex digits may pass.
-    if not _SHA.match(plan):
-        raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits)")
-    return StudyKey(schema.TAG_PLAN, plan)
+    if _SHA.match(plan):
+        return StudyKey(schema.TAG_PLAN, plan)
+    if not _SHORT_SHA.match(plan):
+        raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits, or the first 12 or more)")
+    # The 12 digits every step prints: the plan runs of the record say which sha they begin.
+    runs = store.search_runs(cfg.experiment, f"tags.`{schema.TAG_PLAN}` LIKE '{plan}%' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_PLAN}'")
+    found = sorted({r.data.tags[schema.TAG_PLAN] for r in runs})
+    if len(found) != 1:
+        which = f"{len(found)} plans ({', '.join(f[:16] for f in found)}) begin" if found else "no plan begins"
+        raise UserError(f"--plan {plan}: {which} with it in the record of experiment {cfg.experiment!r}; give more digits")
+    return StudyKey(schema.TAG_PLAN, found[0])
 
 
 @dataclass(frozen=True)
@@ -215,9 +224,10 @@ def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
     for role, run in runs.items():
         sha = run.data.tags.get(schema.TAG_CONFIG_SHA)
         if sha != own:
+            preset = run.data.tags.get(schema.TAG_PRESET)
             raise RefusedError(
-                f"{role} run {run.info.run_id} was made with config sha {sha}, this report's config is {own}; "
-                "call report with the study's preset and overrides"
+                f"{role} run {run.info.run_id} was made with config sha {sha[:12] if sha else None} (preset {preset}), "
+                f"this report's config is {own[:12]} (preset {cfg.preset}); call report with the study's preset and overrides"
             )
 
 

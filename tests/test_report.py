@@ -332,7 +332,7 @@ def test_report_config_must_be_the_studys(tiny):
     other = config.load("tiny", ["screens.min_speedup=1.0"])
     with pytest.raises(RefusedError, match=f"config sha {store.config_sha256(other)}"):
         records.load(other)
-    with pytest.raises(RefusedError, match="call report with the study's preset"):
+    with pytest.raises(RefusedError, match=r"\(preset tiny\), this report's config is .* \(preset tiny\); call report with the study's preset"):
         records.load(other, PLAN)
 
 
@@ -347,6 +347,19 @@ def test_evaluated_weights_must_be_the_selected_ones(tiny):
 def test_plan_argument_must_be_a_sha(tiny):
     with pytest.raises(UserError, match="--plan"):
         records.study_key(tiny, "x' or 1=1")
+
+
+def test_plan_argument_takes_the_twelve_digits_every_step_prints(tiny):
+    make_study(tiny, plan=PLAN)
+    assert records.study_key(tiny, PLAN[:12].upper()).value == PLAN
+    with pytest.raises(UserError, match=r"--plan 0123456789ab: no plan begins with it in the record of experiment 'coopstudy'"):
+        records.study_key(tiny, "0123456789ab")
+    with pytest.raises(UserError, match=r"expected the plan's sha256 \(64 hex digits, or the first 12 or more\)"):
+        records.study_key(tiny, PLAN[:11])
+    # Two plans that share the digits given: more are asked for.
+    _plan_run(tiny, PLAN[:12] + "f" * 52)
+    with pytest.raises(UserError, match=f"--plan {PLAN[:12]}: 2 plans .* begin with it in the record of experiment 'coopstudy'; give more digits"):
+        records.study_key(tiny, PLAN[:12])
 
 
 def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):

@@ -38,7 +38,8 @@ verdicts as tags and the screens as metrics; prints the screens."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha (default: this config's runs)")
+    parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha, whole or its first 12 or more digits, "
+        "with the study's --preset and --set (default: this config's runs)")
     parser.add_argument("--out", metavar="DIR", help="folder for the report files (default: <home>/reports/<plan|config>-<sha>/)")
 
 
