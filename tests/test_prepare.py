@@ -4,6 +4,7 @@ changed inputs or a changed ledger."""
 from __future__ import annotations
 
 import json
+import re
 
 import mlflow
 import pytest
@@ -39,7 +40,7 @@ def test_prepare_records_inputs_config_and_commitment(prepared_tiny, tmp_path):
     lines = [ln for ln in prepared_tiny.printed.stderr.splitlines() if ln.startswith("tokenizing tasks: ")]
     total = cfg.data.tasks_per_family * len(cfg.data.families)
     assert total > 2 * ui.LOG_LINES and len(lines) <= ui.LOG_LINES + 1
-    assert lines[-1].startswith(f"tokenizing tasks: {total}/{total} ")
+    assert re.fullmatch(rf"tokenizing tasks: {total}/{total} in \d+\.\d s", lines[-1]), lines[-1]
 
     (entry,) = ledger.Ledger(prepared_tiny.home / "ledger.jsonl").entries()
     assert (entry.kind, entry.subject) == (ledger.INPUTS, data.inputs_key(cfg))
@@ -119,3 +120,10 @@ def test_a_context_below_the_longest_prompt_is_refused(prepared_tiny, capsys):
     assert err.strip().splitlines()[-1].startswith(
         "coopstudy prepare: error: data.max_context: 40 is a context below the longest prompt ("
     )
+
+
+def test_quick_work_off_a_terminal_says_only_its_last_line(capsys):
+    with ui.progress("tokenizing tasks", 48) as advance:
+        for _ in range(48):
+            advance()
+    assert re.fullmatch(r"tokenizing tasks: 48/48 in 0\.\d s\n", capsys.readouterr().err)

@@ -19,6 +19,9 @@ LOG_LINES = 20
 """Off a terminal: at most about this many lines per display, and one at the end."""
 LOG_EVERY_SECONDS = 30.0
 """Off a terminal: the longest silence while work advances slowly."""
+LOG_QUIET_SECONDS = 2.0
+"""Off a terminal: work done sooner says only its last line (48 tokenized tasks
+in a fraction of a second were 16 lines of "ETA 0 s")."""
 Advance = Callable[..., None]
 """advance(n=1, **fields): n more items done; fields (loss=..., ...) are shown beside the count."""
 
@@ -39,7 +42,8 @@ def progress(label: str, total: int, *, enabled: bool = True, unit: str = "", ea
     """A display of `total` items of work; yields the function that advances it.
 
     each=True logs every advance off a terminal: training updates are few,
-    each one a result a person (or a test) waits for."""
+    each one a result a person (or a test) waits for. The last line says the
+    seconds the work took."""
     if not enabled:
         yield lambda n=1, **fields: None
         return
@@ -56,12 +60,15 @@ def progress(label: str, total: int, *, enabled: bool = True, unit: str = "", ea
             nonlocal done, shown_at, shown_time
             done += n
             now = time.perf_counter()
-            if done // step == shown_at // step and done < total and now - shown_time < LOG_EVERY_SECONDS:
+            if done < total and (
+                (done // step == shown_at // step and now - shown_time < LOG_EVERY_SECONDS)
+                or (not each and now - started < LOG_QUIET_SECONDS)
+            ):
                 return
             shown_at, shown_time = done, now
-            eta = (now - started) / done * (total - done)
             extra = f" {_shown(fields)}" if fields else ""
-            print(f"{label}: {unit}{' ' if unit else ''}{done}/{total}{extra} ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            when = f"ETA {(now - started) / done * (total - done):.0f} s" if done < total else f"in {now - started:.1f} s"
+            print(f"{label}: {unit}{' ' if unit else ''}{done}/{total}{extra} {when}", file=sys.stderr, flush=True)
 
         yield line
         return
