@@ -973,6 +973,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("prepare", "--preset", "tiny", "--set", f"data.replay_source={_a_folder(tmp, 'chats.jsonl')}"),
         "/chats.jsonl is a folder, not a file",
     ),
+    "report --out at a file": (
+        lambda tmp: ("report", "--preset", "tiny", "--out", str(_a_file(tmp))),
+        "/a-file: cannot make it (a file is there, not a folder)",
+    ),
     "report --out below a file": (
         lambda tmp: ("report", "--preset", "tiny", "--out", str(_a_file(tmp) / "report")),
         "/a-file/report: cannot make it (Not a directory)",

@@ -176,7 +176,9 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
         ("main", ("-P", "preset=tiny", "-P", "through=prepare"), "-P through: not a parameter of entry point main (it takes -P overrides, -P preset)"),
         ("verify", ("-P", "preset=tiny", "-P", "help=1"), "-P help: not a parameter of entry point verify (it takes -P overrides, -P preset)"),
         # A value the parser refuses is refused as the others are, mlflow run's run marked too.
-        ("train", ("-P", "preset=tiny", "-P", "arm=nosuch"), "argument --arm: invalid choice: 'nosuch' (choose from 'control', 'compressed', 'both')"),
+        # ... and said as the -P that gave it.
+        ("train", ("-P", "preset=tiny", "-P", "arm=nosuch"),
+         "-P arm: invalid choice: 'nosuch' (choose from 'control', 'compressed', 'both') (entry point train of MLproject)"),
     ],
     ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset", "-P of an option not declared", "-P help",
          "a -P value the parser refuses"],  # fmt: skip

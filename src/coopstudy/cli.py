@@ -96,6 +96,7 @@ class _BadArguments(Exception):
 
     def __init__(self, prog: str, message: str):
         super().__init__(f"{message} (see `python -m {prog} --help`)")
+        self.message = message
         self.step = prog.partition(" ")[2] or None
 
 
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
     except _BadArguments as err:
-        return _refuse(argparse.Namespace(step=err.step, preset=preset), UserError(str(err)))
+        return _refuse(argparse.Namespace(step=err.step, preset=preset), UserError(_as_parameters(err.step, err)))
     if unknown:
         return _refuse(args, UserError(_unrecognized(args.step, unknown)))
     try:
@@ -224,6 +225,19 @@ def _unrecognized(step: str | None, unknown: list[str]) -> str:
     if launched is None:
         return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
     return _not_parameters(*launched, [a[2:] for a in unknown if a.startswith("--")] or unknown)
+
+
+def _as_parameters(step: str | None, err: _BadArguments) -> str:
+    """A bad value of an option, said as the -P parameter that gave it where
+    `mlflow run` started the step (`-P arm=contrl`, not `argument --arm`)."""
+    launched = _launching_entry(step)
+    if launched is None:
+        return str(err)
+    entry, spec = launched
+    said = err.message
+    for option, name in re.findall(r"(--[\w-]+) \{(\w+)\}", str(spec.get("command", ""))):
+        said = said.replace(f"argument {option}:", f"-P {name}:")
+    return f"{said} (entry point {entry} of MLproject)"
 
 
 def _undeclared(step: str | None, argv: list[str]) -> str | None:

@@ -115,7 +115,9 @@ def _make_folder(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"report folder {folder}: cannot make it ({err.strerror})") from None
+        # mkdir says "File exists" of a file at the folder's name: say what is there.
+        what = "a file is there, not a folder" if folder.is_file() else err.strerror
+        raise UserError(f"report folder {folder}: cannot make it ({what})") from None
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
