@@ -985,6 +985,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("model:", "model: [", 1))),
         "/preset.yaml: not valid YAML at line 5, column 14: expected ',' or ']', but got ':' (ParserError)",
     ),
+    "preset with a misspelt key": (
+        lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("  lr: ", "  lrr: ", 1))),
+        "train.lrr: unknown key; did you mean train.lr?",
+    ),
     "preset with a wrong type": (
         lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: t.replace("updates: 6", "updates: six", 1))),
         "train.updates: Input should be a valid integer",

@@ -391,7 +391,9 @@ def _known_keys(loc: tuple[Any, ...]) -> str:
 
 
 def _describe(err: ValidationError) -> str:
-    first = err.errors()[0]
+    # A misspelt key also leaves the key it meant missing: the unknown one says both.
+    errors = err.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
