@@ -17,6 +17,9 @@ from coopstudy.record import schema, writer
 
 HELP = "score seed, control and compressed on the final test and the retention probes"
 DESCRIPTION = """\
+Scores the seed and both selected candidates on the final test (greedy
+generation, verified answers) and on the retention probes (NLL).
+
 Reads: the committed plan of this config (refused if anything it hashes
 changed), its selection (ledger entries of kind candidate), the candidates'
 checkpoints, the seed model and the prepared test and retention files.

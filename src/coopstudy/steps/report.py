@@ -20,12 +20,15 @@ if TYPE_CHECKING:
 
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
 DESCRIPTION = """\
-Reads, from the tracking store only, the runs of one study (tagged with
---plan SHA, else with this config's sha): the newest FINISHED select run (the
-candidates' hashes), the train runs whose weights it selected (per-update and
-per-run metrics) and the newest FINISHED evaluate run of seed, control and
-compressed (test-case and retention tables).
-Refuses, naming what is missing, when a role has no such run.
+Judges the study by its pre-registered screens and writes the report.
+
+Reads, from the tracking store (a server's record is enough), the runs of one
+study (tagged with --plan SHA, else with this config's sha): the newest
+FINISHED select run (the candidates' hashes), the train runs whose weights it
+selected (per-update and per-run metrics) and the newest FINISHED evaluate run
+of seed, control and compressed (test-case and retention tables).
+Refuses, naming what is missing, when a role has no such run, and when a
+source the study's plan binds differs from the one on disk here.
 
 Computes the five screens (accuracy gain, retention, non-inferiority, active and
 complete-process speedup) and the cost figures beside them.

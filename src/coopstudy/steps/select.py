@@ -10,6 +10,9 @@ from coopstudy.record import schema, writer
 
 HELP = "commit each arm's final checkpoint as its final candidate (by sha256), once per plan"
 DESCRIPTION = """\
+Commits the final checkpoint of each arm's training under the plan as that
+arm's candidate, once per plan: what evaluate scores and report judges.
+
 Reads: the committed plan of this config (refused if anything it hashes
 changed), the newest FINISHED train run of each arm (control, compressed)
 under that plan (tags coopstudy.stage=train, coopstudy.arm,
