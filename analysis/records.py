@@ -106,8 +106,10 @@ def study_key(cfg: Config, plan: str | None) -> StudyKey:
     runs = store.search_runs(cfg.experiment, f"tags.`{schema.TAG_PLAN}` LIKE '{plan}%' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_PLAN}'")
     found = sorted({r.data.tags[schema.TAG_PLAN] for r in runs})
     if len(found) != 1:
-        which = f"{len(found)} plans ({', '.join(f[:16] for f in found)}) begin" if found else "no plan begins"
-        raise UserError(f"--plan {plan}: {which} with it in the record of experiment {cfg.experiment!r}; give more digits")
+        where = f"in the record of experiment {cfg.experiment!r}"
+        if found:
+            raise UserError(f"--plan {plan}: {len(found)} plans ({', '.join(f[:16] for f in found)}) begin with it {where}; give more digits")
+        raise UserError(f"--plan {plan}: no plan begins with it {where}; check the digits, and give the study's --preset and --set")
     return StudyKey(schema.TAG_PLAN, found[0])
 
 

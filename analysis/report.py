@@ -238,6 +238,7 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("bytes sent per worker (rank 0), dense phase", "bytes_dense", 0),
         ("bytes sent per worker (rank 0), compressed phase", "bytes_compressed", 0),
         ("bytes sent by rank 0, DDP's setup broadcast", "bytes_setup", 0),
+        ("bytes sent per worker (rank 0), scalar sums", "bytes_scalar_sums", 0),
         ("bytes sent per worker (rank 0), total (phases, setup, scalar sums)", "bytes_total", 0),
         ("bytes sent, all workers, dense phase", "bytes_dense_all_workers", 0),
         ("bytes sent, all workers, compressed phase", "bytes_compressed_all_workers", 0),

@@ -464,7 +464,9 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
     same size, so all workers together send `workers` times it:
     `<name>_all_workers` beside each (None when `workers` is not given). DDP's
     setup broadcast, a part of the total, is sent once, by rank 0 alone (None
-    for the total of a record without bytes/setup).
+    for the total of a record without bytes/setup). `bytes_scalar_sums`: the
+    rest of rank 0's total, the few scalars summed across ranks, so that the
+    parts add up to the total on the page.
     """
     columns = ["active_seconds", "complete_seconds", "device_seconds", "checkpoint_seconds",
                *BYTES_PER_WORKER, "bytes_setup", "cost_usd", "peak_rss_mb"]
@@ -474,6 +476,8 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
         figures = {c: _number(row[c]) for c in columns}
         count = (workers or {}).get(arm)
         figures["workers"] = count
+        parts = [figures[c] for c in ("bytes_total", "bytes_dense", "bytes_compressed", "bytes_setup")]
+        figures["bytes_scalar_sums"] = None if None in parts else parts[0] - sum(parts[1:])
         for c in BYTES_PER_WORKER:
             figures[f"{c}_all_workers"] = None if count is None or figures[c] is None else figures[c] * count
         if figures["bytes_total_all_workers"] is not None:

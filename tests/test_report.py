@@ -260,6 +260,8 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert "bytes sent, all workers, total" in md and "rank 0's collective payload" in md
     # What the per-worker total holds is in the table: the phases and the setup broadcast beside it.
     assert f"| bytes sent by rank 0, DDP's setup broadcast | 0 | {setup:,.0f} |" in md
+    parts = ("bytes_dense", "bytes_compressed", "bytes_setup", "bytes_scalar_sums")
+    assert sum(compressed[p] for p in parts) == compressed["bytes_total"] and compressed["bytes_scalar_sums"] >= 0
     # Each source, the counts and the overlap check are stated.
     assert report["inputs"]["split"] == MANIFEST["split"] and report["inputs"]["sha256"] == INPUTS
     assert "Replay: 16 conversations from chitchat (chitchat-dataset 0.9.0" in md
@@ -352,7 +354,7 @@ def test_plan_argument_must_be_a_sha(tiny):
 def test_plan_argument_takes_the_twelve_digits_every_step_prints(tiny):
     make_study(tiny, plan=PLAN)
     assert records.study_key(tiny, PLAN[:12].upper()).value == PLAN
-    with pytest.raises(UserError, match=r"--plan 0123456789ab: no plan begins with it in the record of experiment 'coopstudy'"):
+    with pytest.raises(UserError, match=r"--plan 0123456789ab: no plan begins with it in the record of experiment 'coopstudy'; check the digits"):
         records.study_key(tiny, "0123456789ab")
     with pytest.raises(UserError, match=r"expected the plan's sha256 \(64 hex digits, or the first 12 or more\)"):
         records.study_key(tiny, PLAN[:11])

@@ -346,14 +346,16 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     trained = {r.data.tags[schema.TAG_ARM]: r.info.run_id for r in copy.runs("train")}
     probe = copy.coopstudy("probe", "--preset", "tiny")
     assert probe.returncode == 0, probe.stderr[-3000:]
-    said = f"note: plan {planned.data.tags[schema.TAG_PLAN][:12]} of this config binds the receipts this probe replaced: "
+    said = f"note: plan {planned.data.tags[schema.TAG_PLAN][:12]} of this config binds other probe receipts than those now in "
     assert said in probe.stdout, probe.stdout[-3000:]
     again = copy.coopstudy("study", "--preset", "tiny")
     assert again.returncode == 0, again.stderr[-3000:]
     assert _steps(again.stdout, "reused") == ["prepare", "verify", "probe"]
     assert _steps(again.stdout, "running") == list(study.STEP_NAMES[3:])
     # Each step that runs again though a run holds its key says why that run is not reused.
-    assert "study: plan: running (not reused: changed since the plan " in again.stdout, again.stdout[-3000:]
+    (replanned_line,) = [line for line in again.stdout.splitlines() if line.startswith("study: plan: running")]
+    assert replanned_line.startswith("study: plan: running (not reused: changed since the plan "), replanned_line
+    assert "python -m coopstudy" not in replanned_line  # the refusal's hint names the command running
     for arm, run_id in trained.items():
         assert f"study: train-{arm}: running (not reused: run {run_id} ran under another plan than the one in force)" in again.stdout
     replanned = copy.runs("plan")[0]

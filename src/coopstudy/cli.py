@@ -109,13 +109,22 @@ class _Parser(argparse.ArgumentParser):
         raise _BadArguments(self.prog, message)
 
 
-def _version() -> str:
-    from importlib import metadata
+class _Version(argparse.Action):
+    """--version: the installed package's, looked up only when asked (the
+    lookup reads every installed distribution's metadata: 50 ms a command)."""
 
-    try:
-        return metadata.version("coopstudy")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "(not installed)"
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the installed version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("coopstudy")
+        except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+            version = "(not installed)"
+        print(f"{parser.prog} {version}")
+        parser.exit()
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -130,10 +139,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "A pre-registered study: PowerSGD-compressed two-worker DDP fine-tuning against a "
             "single-device control, every step an MLflow run. The steps run in the order listed, "
             "prepare to report (`study` runs them all, reusing what is done); each refuses when a "
-            "commitment it depends on is missing or changed. bench, dev-split and remote are tools beside them."
+            f"commitment it depends on is missing or changed. {', '.join(t for t in TOOLS if t not in UNLISTED)}: "
+            "tools beside them."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
     for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
         module = _module(name)
@@ -230,7 +240,7 @@ def _unrecognized(step: str | None, unknown: list[str]) -> str:
 def _as_parameters(step: str | None, err: _BadArguments) -> str:
     """A bad value of an option, said as the -P parameter that gave it where
     `mlflow run` started the step (`-P arm=contrl`, not `argument --arm`)."""
-    launched = _launching_entry(step)
+    launched = _started_entry(step)
     if launched is None:
         return str(err)
     entry, spec = launched
@@ -245,16 +255,22 @@ def _undeclared(step: str | None, argv: list[str]) -> str | None:
     gave. MLflow turns a -P NAME=VALUE the entry point does not declare into
     --NAME VALUE, which the parser would obey where NAME is an option
     (`-P through=prepare`, `-P help=1`): said as the user wrote it."""
-    launched = _launching_entry(step)
+    launched = _started_entry(step)
     if launched is None:
         return None
     entry, spec = launched
-    command = str(spec.get("command", ""))
-    if command.split()[3:4] != [step]:
-        return None  # not the command `mlflow run` started
-    given = set(re.findall(r"--[\w-]+", command))
+    given = set(re.findall(r"--[\w-]+", str(spec.get("command", ""))))
     extra = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in given]
     return _not_parameters(entry, spec, extra) if extra else None
+
+
+def _started_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:
+    """_launching_entry, where this process is the very command it runs (not
+    one that command started in turn)."""
+    launched = _launching_entry(step)
+    if launched is None or str(launched[1].get("command", "")).split()[3:4] != [step]:
+        return None
+    return launched
 
 
 def _launching_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:

@@ -391,7 +391,8 @@ def _known_keys(loc: tuple[Any, ...]) -> str:
 
 
 def _describe(err: ValidationError) -> str:
-    # A misspelt key also leaves the key it meant missing: the unknown one says both.
+    # A misspelt key also leaves the key it meant missing: say the unknown key
+    # (with its nearest known one), not the missing key it displaced.
     errors = err.errors()
     first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in first["loc"])
@@ -436,7 +437,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None and problem else ""
+        where = f" at line {mark.line + 1}, column {mark.column + 1}{f': {problem}' if problem else ''}" if mark is not None else ""
         raise ConfigError(f"preset {path}: not valid YAML{where} ({err.__class__.__name__})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"preset {path}: not UTF-8 text") from None

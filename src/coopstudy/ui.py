@@ -29,7 +29,8 @@ Advance = Callable[..., None]
 def console(min_width: int = 110) -> Console:
     """A console at least `min_width` columns wide, so tables stay whole in a file or a pipe
     (rich assumes 80 columns there). There a line is never broken either: a path
-    or a sha split over two lines is lost to grep and to copy and paste."""
+    or a sha split over two lines is lost to grep and to copy and paste (rich
+    then sets a table's title flush left, not centred; its cells wrap as before)."""
     return Console(width=max(Console().width, min_width), soft_wrap=not sys.stdout.isatty())
 
 

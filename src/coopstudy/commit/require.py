@@ -17,6 +17,7 @@ from coopstudy.inputs import data
 from coopstudy.inputs.seed import Seed, resolve_seed
 from coopstudy.record import schema
 
+
 def inputs(cfg: Config, book: ledger.Ledger | None = None) -> data.Prepared:
     """The committed inputs of `cfg`, re-hashed; refused when missing or changed."""
     entry = (book or ledger.Ledger()).require(
@@ -51,7 +52,7 @@ def gate_receipt(
     still applies, so that a gate passed since for another config (verify with
     other optimizer settings) does not undo that plan; otherwise the newest."""
     book = book or ledger.Ledger()
-    hint = f"run `python -m coopstudy verify{f' {cfg.arguments}' if cfg else ''}`"
+    hint = f"run `python -m coopstudy verify{f' {cfg.arguments}' if cfg is not None else ''}`"
     sha, files = sources.numerical_sources_sha256(directory)
     libs = sources.library_versions()
     passed = [e for e in book.entries() if e.kind == ledger.GATE and e.subject == sources.GATE_SUBJECT]

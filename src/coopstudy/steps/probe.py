@@ -220,8 +220,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         replaced = _plan_replaced(cfg)
         if replaced:
             console.print(
-                f"note: plan {replaced[:12]} of this config binds the receipts this probe replaced: train and every step "
-                "after it refuse until the plan is committed again, and then run again",
+                f"note: plan {replaced[:12]} of this config binds other probe receipts than those now in "
+                f"{receipts.probe_dir(cfg)}: train and every step after it refuse until the plan is committed again; "
+                "after that they run again",
                 highlight=False,
             )
         # The plan is of this config: without the same overrides it would be another's.
@@ -230,11 +231,12 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _plan_replaced(cfg: Config) -> str | None:
-    """The committed plan of `cfg` whose probe receipts are no longer the ones on disk, if any."""
+    """The committed plan of `cfg`, where the probe receipts it binds are no longer the ones on disk."""
     entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
-    if entry is None or not planning.file(entry).is_file():
+    try:
+        document = planning.stored(entry) if entry is not None and planning.file(entry).is_file() else None
+    except OSError:  # unreadable: train says so, with the plan's other checks
         return None
-    document = planning.stored(entry)
     if not isinstance(document, dict) or document.get("probe_receipts") == receipts.receipt_hashes(cfg):
         return None
     return entry.digest
