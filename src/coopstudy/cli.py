@@ -230,11 +230,9 @@ def _refuse(args: argparse.Namespace, err: UserError) -> int:
 
 
 def _unrecognized(step: str | None, unknown: list[str]) -> str:
-    """What is wrong with arguments the parser does not know, in one line."""
-    launched = _launching_entry(step)
-    if launched is None:
-        return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
-    return _not_parameters(*launched, [a[2:] for a in unknown if a.startswith("--")] or unknown)
+    """What is wrong with arguments the parser does not know, in one line.
+    (Under `mlflow run`, _undeclared has said any option -P gave already.)"""
+    return f"unrecognized arguments: {' '.join(unknown)} (see `python -m coopstudy{f' {step}' if step else ''} --help`)"
 
 
 def _as_parameters(step: str | None, err: _BadArguments) -> str:
@@ -265,17 +263,9 @@ def _undeclared(step: str | None, argv: list[str]) -> str | None:
 
 
 def _started_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:
-    """_launching_entry, where this process is the very command it runs (not
-    one that command started in turn)."""
-    launched = _launching_entry(step)
-    if launched is None or str(launched[1].get("command", "")).split()[3:4] != [step]:
-        return None
-    return launched
-
-
-def _launching_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:
     """The MLproject entry point `mlflow run` started this process as, and its
-    declaration (empty where MLproject cannot be read); None otherwise."""
+    declaration (empty where MLproject cannot be read); None otherwise, and
+    for a process that command started in turn."""
     if not (step and os.environ.get("MLFLOW_RUN_ID")):
         return None
     from coopstudy.record import writer
@@ -291,7 +281,10 @@ def _launching_entry(step: str | None) -> tuple[str, dict[str, Any]] | None:
         spec = yaml.safe_load((workspace.project_root() / "MLproject").read_text())["entry_points"][entry]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         spec = None
-    return entry, spec if isinstance(spec, dict) else {}
+    spec = spec if isinstance(spec, dict) else {}
+    if str(spec.get("command", "")).split()[3:4] != [step]:
+        return None
+    return entry, spec
 
 
 def _not_parameters(entry: str, spec: dict[str, Any], names: list[str]) -> str:

@@ -7,7 +7,14 @@ INTERRUPTED = "interrupted (SIGINT)"
 
 
 class UserError(Exception):
-    """Bad input, a missing prerequisite or a refused action."""
+    """Bad input, a missing prerequisite or a refused action: `reason`, then
+    the `hint` (what to run about it) where there is one, as one line. Kept
+    apart because a study that runs that very command says the reason alone."""
+
+    def __init__(self, reason: str, *, hint: str | None = None) -> None:
+        super().__init__(reason if hint is None else f"{reason}; {hint}")
+        self.reason = reason
+        self.hint = hint
 
 
 class ConfigError(UserError):

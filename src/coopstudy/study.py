@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -172,8 +171,8 @@ def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str
         try:
             step.still_valid(checks, runs[0])
         except UserError as err:
-            # The refusal's last clause says what command to run: the study is running it.
-            return None, re.sub(r";[^;]*`python -m coopstudy [^`]*`[^;]*$", "", str(err))
+            # Not its hint: the study is running the command it names.
+            return None, err.reason
     return runs[0].info.run_id, None
 
 

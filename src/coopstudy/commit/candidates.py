@@ -83,8 +83,8 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
     if problems:
         todo = [arm for arm in ARMS if arm not in found]
         raise RefusedError(
-            f"{'; '.join(problems)} (plan {plan_sha[:12]}); train first: "
-            f"`python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else 'both'}`"
+            f"{'; '.join(problems)} (plan {plan_sha[:12]})",
+            hint=f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else 'both'}`",
         )
     return found
 
@@ -118,8 +118,9 @@ def final_candidates(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> d
         if actual != cand.sha256:
             raise RefusedError(
                 f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
-                f"recorded {cand.sha256[:12]}; the checkpoint changed after training: restore it from that run's "
-                f"`{schema.ART_CHECKPOINT}` artifact, or train again (`python -m coopstudy train {cfg.arguments} --arm {arm}`)"
+                f"recorded {cand.sha256[:12]}: the checkpoint changed after training",
+                hint=f"restore it from that run's `{schema.ART_CHECKPOINT}` artifact, "
+                f"or train again (`python -m coopstudy train {cfg.arguments} --arm {arm}`)",
             )
     return found
 

@@ -179,7 +179,7 @@ class Ledger:
         entries = self.entries() if entries is None else entries
         found = [e for e in entries if e.kind == kind and e.subject == subject]
         if not found:
-            raise RefusedError(f"no {kind} commitment for {subject} in {self.path}; {hint}")
+            raise RefusedError(f"no {kind} commitment for {subject} in {self.path}", hint=hint)
         self.check_record(entries)
         return found[-1]
 

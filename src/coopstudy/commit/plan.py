@@ -92,7 +92,7 @@ def build(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> dic
     sources_sha, files = sources.deciding_sources_sha256()
     kept = receipts.probe_receipts(cfg)
     if not kept:
-        raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}; run `python -m coopstudy probe {cfg.arguments}` first")
+        raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}", hint=f"run `python -m coopstudy probe {cfg.arguments}` first")
     when = cfg.budget.deadline
     arms: dict[str, Any] = {}
     for arm in ARMS:

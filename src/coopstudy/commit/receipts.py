@@ -232,7 +232,8 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
         if entry is None or entry.digest != sha:
             raise RefusedError(
                 f"probe receipt {probe_dir(cfg) / name} is not the one the probe committed to the ledger "
-                f"(it was edited or copied in); run `python -m coopstudy probe {cfg.arguments}` again"
+                "(it was edited or copied in)",
+                hint=f"run `python -m coopstudy probe {cfg.arguments}` again",
             )
         out[name] = json.loads((probe_dir(cfg) / name).read_text())
     return out

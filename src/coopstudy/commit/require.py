@@ -36,8 +36,8 @@ def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
     made_from = prepared.manifest["seed_model"]["sha256"]
     if seed.sha256 != made_from:
         raise RefusedError(
-            f"seed weights {seed.path} hash to {seed.sha256[:12]}, the prepared inputs were made from {made_from[:12]}; "
-            f"run `python -m coopstudy prepare {cfg.arguments}` again"
+            f"seed weights {seed.path} hash to {seed.sha256[:12]}, the prepared inputs were made from {made_from[:12]}",
+            hint=f"run `python -m coopstudy prepare {cfg.arguments}` again",
         )
     return prepared, seed
 
@@ -60,14 +60,14 @@ def gate_receipt(
     if holding:
         return next((e for e in holding if e.digest == bound), holding[-1])
     if not passed:
-        raise RefusedError(f"no gate receipt for the numerical sources in {book.path}; {hint}")
+        raise RefusedError(f"no gate receipt for the numerical sources in {book.path}", hint=hint)
     latest = passed[-1].details
     changed = [name for name in files if latest.get("sources", {}).get(name) != files[name]]
     changed += [name for name in latest.get("sources", {}) if name not in files]
     if changed:
-        raise RefusedError(f"numerical sources changed since the gate receipt: {', '.join(changed)}; {hint}")
+        raise RefusedError(f"numerical sources changed since the gate receipt: {', '.join(changed)}", hint=hint)
     moved = [f"{k} {latest.get('libraries', {}).get(k)} -> {v}" for k, v in libs.items() if latest.get("libraries", {}).get(k) != v]
-    raise RefusedError(f"library versions changed since the gate receipt: {', '.join(moved)}; {hint}")
+    raise RefusedError(f"library versions changed since the gate receipt: {', '.join(moved)}", hint=hint)
 
 
 def probe_receipts_complete(cfg: Config) -> None:
@@ -76,7 +76,7 @@ def probe_receipts_complete(cfg: Config) -> None:
     names = [receipts.setting_name(c.arm, c.microbatch, c.allocator) for c in cfg.probe.candidates]
     missing = [name for name in names if f"{name}.json" not in kept]
     if missing:
-        raise RefusedError(f"no probe receipt for {', '.join(missing)}; run `python -m coopstudy probe {cfg.arguments}`")
+        raise RefusedError(f"no probe receipt for {', '.join(missing)}", hint=f"run `python -m coopstudy probe {cfg.arguments}`")
 
 
 @dataclass(frozen=True)
@@ -116,34 +116,35 @@ def committed_plan(cfg: Config, read: _Read | None = None) -> str:
     short = entry.digest[:12]
     stored = planning.file(entry)
     if not stored.is_file():
-        raise RefusedError(f"the committed plan {short} is missing from {stored}; commit it again with `python -m coopstudy plan {cfg.arguments}`")
+        raise RefusedError(
+            f"the committed plan {short} is missing from {stored}", hint=f"commit it again with `python -m coopstudy plan {cfg.arguments}`"
+        )
     old = read.document
     if isinstance(old, OSError):
         raise old
     if not isinstance(old, dict) or planning.digest(old) != entry.digest:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
         raise RefusedError(
-            f"the plan file {stored} was edited after it was committed; write it again: "
-            f"`python -m coopstudy plan {cfg.arguments}`"
+            f"the plan file {stored} was edited after it was committed", hint=f"write it again: `python -m coopstudy plan {cfg.arguments}`"
         )
     rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study {cfg.arguments}`)"
     # The cheap checks first, each naming the files that changed: every
     # source that decides a number (sources.deciding_sources) is bound.
     changed = sources.changed_sources(old["sources"]["files"])
     if changed:
-        raise RefusedError(f"changed since the plan {short} was committed: source {', '.join(changed)}; {rerun}")
+        raise RefusedError(f"changed since the plan {short} was committed: source {', '.join(changed)}", hint=rerun)
     hashes = receipts.receipt_hashes(cfg)
     if hashes != old["probe_receipts"]:
         changed = sources.changed(old["probe_receipts"], hashes)
-        raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}; {rerun}")
+        raise RefusedError(f"changed since the plan {short} was committed: probe receipt {', '.join(changed)}", hint=rerun)
     try:
         new = planning.build(cfg, inputs(cfg), gate_receipt(cfg, bound=old.get("gate_receipt")))
     except RefusedError as err:
         # Inputs that no longer verify, a gate receipt that no longer matches:
         # the message names the file.
-        raise RefusedError(f"changed since the plan {short} was committed: {err}") from None
+        raise RefusedError(f"changed since the plan {short} was committed: {err.reason}", hint=err.hint) from None
     if planning.digest(new) != entry.digest:
-        raise RefusedError(f"changed since the plan {short} was committed: {'; '.join(planning.differences(old, new))}; {rerun}")
+        raise RefusedError(f"changed since the plan {short} was committed: {'; '.join(planning.differences(old, new))}", hint=rerun)
     return entry.digest
 
 
@@ -188,8 +189,8 @@ def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Sel
     missing = [arm for arm in ARMS if arm not in entries]
     if missing:
         raise RefusedError(
-            f"no final candidates selected under plan {plan_sha[:12]} (missing: {', '.join(missing)}); "
-            f"run `python -m coopstudy select {cfg.arguments}` first"
+            f"no final candidates selected under plan {plan_sha[:12]} (missing: {', '.join(missing)})",
+            hint=f"run `python -m coopstudy select {cfg.arguments}` first",
         )
     chosen = {}
     for arm in ARMS:
