@@ -26,6 +26,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import warm_cli
 from filelock import FileLock
 
 from coopstudy import config, workspace
@@ -61,17 +62,18 @@ def faults_of_a_large_tensor_made_again(env: dict[str, str] | None = None, setup
     return int(done.stdout.split()[-1])
 
 
+_WARM = warm_cli.Server()
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`python -m coopstudy ARGS` as a user runs it, in the test's store, from
-    `cwd` (the project unless a test starts it elsewhere)."""
-    return subprocess.run(
-        [sys.executable, "-m", "coopstudy", *args],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    `cwd` (the project unless a test starts it elsewhere); forked from a warm
+    interpreter where that is the same (tests/warm_cli.py)."""
+    full = {**os.environ, **(env or {})}
+    done = _WARM.run(list(args), full, cwd, timeout)
+    if done is not None:
+        return done
+    return subprocess.run([sys.executable, "-m", "coopstudy", *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,30 @@ def test_version_says_the_installed_package(cli):
     assert done.stdout.strip() == f"coopstudy {metadata.version('coopstudy')}"
 
 
+@pytest.mark.skipif(bool(os.environ.get("COOPSTUDY_TEST_FRESH")), reason="every command runs fresh")
+def test_a_command_forked_warm_says_what_a_fresh_one_says(cli, tiny_seed, tmp_path):
+    # run_cli forks most commands from a warm interpreter (tests/warm_cli.py):
+    # the suite's refusals then say what they say to a user only if this holds.
+    from fixtures import _WARM
+
+    cases = [
+        ("--help",),
+        ("prepare", "--preset", "nosuch"),
+        ("train", "--preset", "tiny", "--hostfile", str(tmp_path / "nosuch")),  # after the store opens
+        ("select", "--preset", "tiny"),  # after the ledger and the record are read
+        ("plan", "--preset", "tiny", "--dry-run", "--set", "train.lr=2e-4"),
+    ]
+    for argv in cases:
+        served = _WARM.served
+        warm = cli(*argv)
+        assert _WARM.served == served + 1, argv  # not run fresh instead
+        fresh = subprocess.run([sys.executable, "-m", "coopstudy", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), argv
+    # The variables it is given are the command's: a store named here is the one it opens.
+    elsewhere = cli("select", "--preset", "tiny", env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'other.db'}"})
+    assert elsewhere.returncode == 2 and (tmp_path / "other.db").is_file(), elsewhere.stderr[-3000:]
+
+
 def test_two_projects_sharing_one_environment_keep_their_own_study_files(project, tmp_path, tiny_seed_home):
     other = Project(checkout_copy(tmp_path / "other"), tiny_seed_home)
     # The other copy runs this copy's package: one environment, two projects.

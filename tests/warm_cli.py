@@ -1,0 +1,170 @@
+"""`python -m coopstudy ARGS` started by forking a warm interpreter.
+
+Most of the suite's commands are refusals that take a second of their own
+after 2-3 s of importing MLflow, its SQLite store and the CLI. A server per
+xdist worker imports those once; each command is a child forked from it that
+runs `coopstudy.__main__` as `python -m` would (argv, sys.path, the
+environment and folder it is given, its output in files, exit handlers and
+exit code its own). It is still a process of its own, so its exit code,
+stderr and what it leaves behind are what a user sees.
+
+Only where that holds: the command starts in the project (the imported
+sources are the project's), the interpreter's own variables (PYTHON*, the
+loader's and malloc's) are the server's, no other command of this worker is
+in flight, and the server imported silently, on one thread (a fork copies
+one). Anything else runs fresh, and COOPSTUDY_TEST_FRESH=1 runs every
+command fresh (tests/test_front_door.py checks that both ways say the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What a refusal imports before it speaks (an open store included).
+PRELOAD = ("coopstudy.cli", "coopstudy.config", "mlflow", "mlflow.store.tracking.sqlalchemy_store")
+# Read when an interpreter starts or a library loads, so the server's values hold in its children.
+_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_", "TCMALLOC", "OMP_", "MKL_", "KMP_")
+
+
+def _at_start(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_AT_START)}
+
+
+class Server:
+    """The warm interpreter of this worker, started on first use."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}
+        self._busy = threading.Lock()
+        self._usable = True
+        self.served = 0
+        """Commands it ran."""
+
+    def _start(self) -> bool:
+        self._env = dict(os.environ)
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve())],
+            cwd=ROOT, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        ready = json.loads(self._proc.stdout.readline() or '{"ready": false}')
+        if not ready.get("ready"):
+            self._proc.wait()
+            self._usable = False
+        return self._usable
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
+        """What the command did, or None where it must run fresh."""
+        if os.environ.get("COOPSTUDY_TEST_FRESH") or not self._usable or Path(cwd).resolve() != ROOT:
+            return None
+        if self._proc is None and not self._start():
+            return None
+        if _at_start(env) != _at_start(self._env) or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            self.served += 1
+            return self._run(argv, env, timeout)
+        finally:
+            self._busy.release()
+
+    def _run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        with tempfile.TemporaryDirectory(prefix="coopstudy-warm-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": argv, "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            pid = json.loads(self._proc.stdout.readline())["pid"]
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+            code = json.loads(self._proc.stdout.readline())["returncode"]
+            cmd = [sys.executable, "-m", "coopstudy", *argv]
+            said = out.read_text(errors="replace"), err.read_text(errors="replace")
+            if not ready:
+                raise subprocess.TimeoutExpired(cmd, timeout, *said)
+            return subprocess.CompletedProcess(cmd, code, *said)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=30)
+            self._proc = None
+
+
+def _serve() -> dict | None:
+    """Import, then fork a child per request; return the request in the child."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as coopstudy.cli.entry sets them
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    sys.path[0] = str(ROOT)  # as for `python -m` started there
+    with tempfile.TemporaryFile() as said:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(said.fileno(), 1)
+        os.dup2(said.fileno(), 2)
+        try:
+            import importlib
+
+            for name in PRELOAD:
+                importlib.import_module(name)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)  # a child must hold no end of the reply pipe
+        # A library that prints as it loads, or starts a thread, would not do
+        # so in each command as it does in a fresh process: then none is warm.
+        silent = said.seek(0, os.SEEK_END) == 0
+    ready = silent and threading.active_count() == 1
+    _reply({"ready": ready})
+    if not ready:
+        return None
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            return request
+        _reply({"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        _reply({"returncode": os.waitstatus_to_exitcode(status)})
+    return None
+
+
+def _reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _become(request: dict) -> None:
+    """In the child: take the request's place, then run the CLI as `python -m coopstudy`."""
+    import runpy
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, for its whole life
+    sys.path[0] = request["cwd"]
+    sys.argv = ["-m", *request["argv"]]
+    runpy.run_module("coopstudy", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    found = _serve()
+    if found is not None:
+        _become(found)  # its SystemExit ends this process as the CLI's own would
