@@ -11,13 +11,14 @@ stderr and what it leaves behind are what a user sees.
 Only where that holds: the command starts in the project (the imported
 sources are the project's), the interpreter's own variables (PYTHON*, the
 loader's and malloc's) are the server's, no other command of this worker is
-in flight, and the server imported silently, on one thread (a fork copies
-one). Anything else runs fresh, and COOPSTUDY_TEST_FRESH=1 runs every
+in flight, and the server imported silently, with no thread of Python's
+running (a fork copies only the one that forks). Anything else runs fresh, and COOPSTUDY_TEST_FRESH=1 runs every
 command fresh (tests/test_front_door.py checks that both ways say the same).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -125,7 +126,12 @@ def _serve() -> dict | None:
         # A library that prints as it loads, or starts a thread, would not do
         # so in each command as it does in a fresh process: then none is warm.
         silent = said.seek(0, os.SEEK_END) == 0
+    # A fork copies only the thread that forks: no Python thread may be running.
+    # (The native pools numpy and pyarrow start as they load re-form in a
+    # child, as under multiprocessing's fork.)
     ready = silent and threading.active_count() == 1
+    # Out of the collections a command's exit makes: a fresh process holds none of it unless it imports it.
+    gc.freeze()
     _reply({"ready": ready})
     if not ready:
         return None
