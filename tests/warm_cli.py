@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,8 @@ class Server:
         self._proc: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
         self._busy = threading.Lock()
+        self._pending = b""
+        """Bytes read from the server past the last reply line."""
         self._usable = True
         self.served = 0
         """Commands it ran."""
@@ -56,10 +59,13 @@ class Server:
         self._env = dict(os.environ)
         self._proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve())],
-            cwd=ROOT, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=ROOT, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
         )  # fmt: skip
-        ready = json.loads(self._proc.stdout.readline() or '{"ready": false}')
-        if not ready.get("ready"):
+        try:
+            ready = self._reply(None)
+        except (RuntimeError, ValueError):  # it failed as it started: every command runs fresh
+            ready = None
+        if not (ready and ready.get("ready")):
             self._proc.wait()
             self._usable = False
         return self._usable
@@ -83,24 +89,36 @@ class Server:
         with tempfile.TemporaryDirectory(prefix="coopstudy-warm-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             request = {"argv": argv, "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            pid = json.loads(self._proc.stdout.readline())["pid"]
-            ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-            code = json.loads(self._proc.stdout.readline())["returncode"]
+            message = memoryview((json.dumps(request) + "\n").encode())
+            while message:
+                message = message[os.write(self._proc.stdin.fileno(), message) :]
+            pid = self._reply(None)["pid"]
+            ended = self._reply(timeout)
+            timed_out = ended is None
+            if timed_out:
+                os.kill(pid, signal.SIGKILL)  # not reaped yet: the server replies once it has waited for it
+                ended = self._reply(None)
             cmd = [sys.executable, "-m", "coopstudy", *argv]
             said = out.read_text(errors="replace"), err.read_text(errors="replace")
-            if not ready:
+            if timed_out:
                 raise subprocess.TimeoutExpired(cmd, timeout, *said)
-            return subprocess.CompletedProcess(cmd, code, *said)
+            return subprocess.CompletedProcess(cmd, ended["returncode"], *said)
 
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.stdin.close()
-            self._proc.wait(timeout=30)
-            self._proc = None
+    def _reply(self, timeout: float | None) -> dict | None:
+        """The server's next reply line; None if none came within `timeout` s."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the warm server ended")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
 
 
 def _serve() -> dict | None:
