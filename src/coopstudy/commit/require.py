@@ -155,6 +155,16 @@ def planned_gate(cfg: Config, read: _Read | None = None) -> str | None:
     return document.get("gate_receipt") if isinstance(document, dict) else None
 
 
+def planned_probe_receipts(cfg: Config) -> tuple[str, dict[str, str]] | None:
+    """(the sha256 of the plan committed for `cfg`, the probe receipts it
+    binds); None where none is committed or its file cannot be read (train
+    then says why, with the plan's other checks)."""
+    read = _read(cfg)
+    if read.entry is None or not isinstance(read.document, dict):
+        return None
+    return read.entry.digest, read.document.get("probe_receipts")
+
+
 def training_inputs(cfg: Config, gate: str | None = None) -> dict[str, str]:
     """Tags naming the gate receipt and the inputs any training process (a
     probe too) depends on, or a refusal that says which is missing. `gate`:

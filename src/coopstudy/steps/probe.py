@@ -13,7 +13,6 @@ from rich.table import Table
 
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
-from coopstudy.commit import plan as planning
 from coopstudy.config import Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
@@ -232,11 +231,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
 def _plan_replaced(cfg: Config) -> str | None:
     """The committed plan of `cfg`, where the probe receipts it binds are no longer the ones on disk."""
-    entry = ledger.Ledger().latest(ledger.PLAN, planning.subject(cfg))
-    try:
-        document = planning.stored(entry) if entry is not None and planning.file(entry).is_file() else None
-    except OSError:  # unreadable: train says so, with the plan's other checks
+    planned = require.planned_probe_receipts(cfg)
+    if planned is None or planned[1] == receipts.receipt_hashes(cfg):
         return None
-    if not isinstance(document, dict) or document.get("probe_receipts") == receipts.receipt_hashes(cfg):
-        return None
-    return entry.digest
+    return planned[0]
