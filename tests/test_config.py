@@ -161,6 +161,12 @@ def test_dry_run_prints_resolved_config(cli):
     assert "lr: 0.5" in res.stdout
 
 
+def test_dry_run_refuses_a_misspelt_family_as_prepare_does(cli):
+    res = cli("train", "--preset", "tiny", "--set", "data.families=[gcdd]", "--dry-run")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == "coopstudy train: error: data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?\n"
+
+
 @pytest.mark.parametrize("native, resolved", [(True, "bf16"), (False, "fp32")])
 def test_auto_precision_resolves_on_load(monkeypatch, native, resolved):
     monkeypatch.setattr(machine, "native_bf16", lambda: native)
