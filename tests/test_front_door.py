@@ -102,6 +102,7 @@ def test_no_entry_point_parameter_is_also_a_config_param():
     [
         (("bench", "arms", "--help"), "each launched exactly as `train` launches it"),
         (("bench", "generate", "--help"), "checks that\nboth give the same tokens"),
+        (("dev-split", "--help"), "beside the study's own screens on the split"),
         (("remote", "--help"), "check    run that preflight alone"),
         (("remote", "check", "--help"), "the experiment that must take writes"),
     ],

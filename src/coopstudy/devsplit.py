@@ -42,7 +42,29 @@ from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 
 HELP = "choose families and the learning rate on a development split (never the final test)"
-DESCRIPTION = __doc__
+DESCRIPTION = f"""\
+Chooses families and the learning rate on a development split, never on the
+final test. The split is built as `prepare` builds the final test, from the
+preset's data with data.families = --families and data.test_seed =
+--dev-seed (questions seen in training dropped); a seed whose questions could
+meet the preset's training or final test is refused. Nothing of the final test
+is read.
+
+The seed model is scored on the split (each family's accuracy, the retention
+NLL). Then, for each learning rate, one control-arm training from the seed
+(one process, the preset's schedule, train.updates updates or --updates) is
+scored the same way, beside the study's own screens on the split: accuracy
+gain over the seed, and retention under the preset's thresholds.
+
+The rule it prints, which the README's measurement followed: keep the
+families the seed does not already solve (below 50%) and that training moves
+by more than 10 points at some rate; take the largest rate whose retention
+bound stays below the threshold.
+
+Writes: one MLflow run (stage {schema.STAGE_DEV_SPLIT}) with each model's metrics and the
+        table as {schema.ART_DEV_SPLIT}. Minutes per rate on CPU: a job of its own,
+        for a quiet machine.
+"""
 
 DEV_SEED = 5_000_000
 """Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""

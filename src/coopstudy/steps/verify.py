@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
+from pathlib import Path
 from typing import Any
 
 from coopstudy import ui
@@ -12,6 +14,10 @@ from coopstudy.config import Config
 from coopstudy.record import schema, writer
 
 # coopstudy.numerics.gate (torch, transformers) is imported when the step runs, so
+def _wrapped(names) -> str:
+    return textwrap.fill(", ".join(names), 70, subsequent_indent=" " * 9)
+
+
 # `--help` stays fast; tests/test_gate.py keeps this text in step with it.
 HELP = "equivalence gate: the batched two-rank DDP update must match the per-document reference"
 DESCRIPTION = f"""\
@@ -26,9 +32,10 @@ weights-on-one-rank, weights-on-the-other-rank, prompt-and-padding-masks,
 partial-final-microbatch, clipped-gradient, nonzero-first-weight,
 adjacent-one-token-documents, one-document-microbatch.
 
-Reads:  the numerical sources ({", ".join(sources.numerical_sources())}):
-        every module of coopstudy/numerics/; the preset's optimizer settings
-        (train.lr, adam_*, weight_decay, warmup_updates, grad_clip).
+Reads:  the numerical sources, every module of coopstudy/numerics/
+        ({_wrapped(Path(name).name for name in sources.numerical_sources())});
+        the preset's optimizer settings (train.lr, adam_*, weight_decay,
+        warmup_updates, grad_clip).
 Writes: on success, a `{ledger_mod.GATE}` entry (subject {sources.GATE_SUBJECT!r}) in the
         ledger, which `train` requires; an MLflow run (stage {schema.STAGE_VERIFY!r}) with
         {schema.ART_GATE_RECEIPT}, metric {schema.M_GATE_MAX_REL_ERROR} and tag {schema.TAG_GATE}.
