@@ -149,12 +149,10 @@ def load_model(path: Path, name: str, tokenizer: Any) -> Any:
     missing, unreadable or too small for its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from coopstudy.numerics import onednn
 
-    # Per-tensor loading bars for three models would bury the evaluation's own.
-    hf_logging.disable_progress_bar()
+    ui.hide_transformers_bars()
     if not (path / "config.json").is_file():
         raise UserError(f"{name}: {path} is not a model directory (no config.json)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,6 +26,15 @@ Advance = Callable[..., None]
 """advance(n=1, **fields): n more items done; fields (loss=..., ...) are shown beside the count."""
 
 
+def hide_transformers_bars() -> None:
+    """Turn off transformers' own bars (per-tensor loading, writing model
+    shards): the display a person watches is this module's, and theirs would sit
+    among its lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def console(min_width: int = 110) -> Console:
     """A console at least `min_width` columns wide, so tables stay whole in a file or a pipe
     (rich assumes 80 columns there). There a line is never broken either: a path

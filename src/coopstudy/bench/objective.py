@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from coopstudy import ui
 from coopstudy.commit import require
 from coopstudy.config import Config
 from coopstudy.errors import UserError
@@ -70,10 +71,8 @@ def _documents(cfg: Config, source: str, vocab_size: int) -> tuple[Sequence, lis
 
 def _load_seed(cfg: Config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-
-    hf_logging.disable_progress_bar()
+    ui.hide_transformers_bars()
     seed = resolve_seed(cfg)
     return objective.Precision.of(cfg.train.precision).cast(AutoModelForCausalLM.from_pretrained(seed.path))
 

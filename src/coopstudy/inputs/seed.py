@@ -135,13 +135,11 @@ def _cached(name: str, info: dict[str, Any], build) -> Path:
 
 def _save(model: Any, tokenizer: Any, out: Path) -> None:
     """Write a made seed, saying nothing: prepare's own lines report it."""
-    from transformers.utils import logging as hf_logging
+    from coopstudy import machine, ui
 
-    from coopstudy import machine
-
-    # A one-step "Writing model shards" bar, and DeepSpeed's warning that it
-    # found no GPU (save_pretrained imports it), would sit among prepare's lines.
-    hf_logging.disable_progress_bar()
+    # DeepSpeed's warning that it found no GPU (save_pretrained imports it)
+    # would sit among prepare's lines, as would transformers' bar.
+    ui.hide_transformers_bars()
     machine.name_the_accelerator(os.environ)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

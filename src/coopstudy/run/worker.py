@@ -112,10 +112,8 @@ def train(
         documents = prepared.train
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        # Our own progress display is the one a person watches.
-        hf_logging.disable_progress_bar()
+        ui.hide_transformers_bars()
 
         precision = objective.Precision.of(cfg.train.precision)
         lm = precision.cast(AutoModelForCausalLM.from_pretrained(seed.path)).to(ctx.device)
