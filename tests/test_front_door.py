@@ -14,7 +14,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import yaml
-from fixtures import ROOT, checkout_copy
+from fixtures import ROOT, checkout_copy, run_cli
 
 from coopstudy import config
 from coopstudy.record import schema, store
@@ -85,6 +85,26 @@ def test_a_preset_file_and_an_experiment_named_to_mlflow_run(project, tmp_path):
     assert run.info.status == "FINISHED" and schema.TAG_RECORD_RUN not in run.data.tags
     assert run.data.params["preset"] == str(preset) and run.data.tags[schema.TAG_PRESET] == "my-preset"
     assert not _runs(project.local, "coopstudy")
+
+
+def test_a_relative_sqlite_uri_is_one_store_for_a_step_and_the_ranks_it_starts(tmp_path, probed_tiny_store):
+    # Ranks run in the project folder; a step started below it names its file
+    # from there, and the ranks must record in that file, not in one of their own.
+    root = checkout_copy(tmp_path / "project")
+    below = root / "notes"
+    below.mkdir()
+    shutil.copy(probed_tiny_store.db, below / "study.db")
+    home = tmp_path / "home"
+    shutil.copytree(probed_tiny_store.home, home)
+    env = {"MLFLOW_TRACKING_URI": "sqlite:///study.db", "COOPSTUDY_HOME": str(home)}
+    for step in (("plan",), ("train", "--arm", "control")):
+        done = run_cli(*step, "--preset", "tiny", env=env, cwd=below)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert not (root / "study.db").exists()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{below / 'study.db'}")
+    (trained,) = [r for r in _runs(client, "coopstudy") if r.data.tags.get(schema.TAG_STAGE) == schema.STAGE_TRAIN]
+    assert trained.info.status == "FINISHED"
+    assert len(client.get_metric_history(trained.info.run_id, schema.M_LOSS)) == config.load("tiny").train.updates
 
 
 def test_no_entry_point_parameter_is_also_a_config_param():

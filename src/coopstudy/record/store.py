@@ -8,7 +8,9 @@ folder. `mlflow run` hands the command it starts an MLFLOW_TRACKING_URI of
 its own even when the user set none (its default, the same local SQLite
 file); that value is not taken for the user's choice. The resolved URI is put
 back into the environment, so every process a step starts (ranks, probes)
-records in the same store.
+records in the same store; a SQLite file named relative to the folder a step
+started in (or to mlruns_remote.txt's folder) goes back named from the root,
+as the ranks start in the project folder.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def tracking_uri() -> str:
     users, named = _users_uri(), None
     if users is None:
         named = _uri_from_file()
-    uri = users or named or local_default()
+    uri = _anchored(users or named or local_default(), Path.cwd() if users else remote_file().parent)
     # Said once, at the first resolution: the write-back below makes every later one the environment's.
     _ORIGIN.setdefault(uri, "MLFLOW_TRACKING_URI" if users else str(remote_file()) if named else "the local default")
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -200,6 +202,18 @@ def tracking_uri() -> str:
         elif parts.scheme == "sqlite":
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
     return uri
+
+
+def _anchored(uri: str, base: Path) -> str:
+    """`uri`, its SQLite file named from the root when it was named from
+    `base`: the processes a step starts (ranks, probes) run in the project
+    folder, and a relative name would open another file there."""
+    database = _sqlite_database(uri) if uri.startswith("sqlite:") else None
+    if not database or Path(database).is_absolute():
+        return uri
+    from sqlalchemy.engine import make_url
+
+    return make_url(uri).set(database=str((base / database).resolve())).render_as_string(hide_password=False)
 
 
 def on_full_disk(err: BaseException) -> bool:
