@@ -16,7 +16,7 @@ import pytest
 from fixtures import PLAN, fake_train_run, run_cli
 
 from coopstudy import cli, config, workspace
-from coopstudy.commit import candidates, ledger
+from coopstudy.commit import candidates, ledger, require
 from coopstudy.config import ARMS
 from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store, writer
@@ -94,6 +94,24 @@ def test_select_refuses_weights_changed_since_training(cfg, trained, capsys):
     assert not _candidate_entries()
 
 
+def test_weights_gone_from_disk_come_back_from_the_train_runs_artifact(cfg, trained, capsys):
+    # The record keeps each train run's checkpoint folder as an artifact: select
+    # and evaluate bring back what the disk lost, whole, and hash it as before.
+    for run_id, folder in trained.values():
+        store.client().log_artifacts(run_id, str(folder), schema.ART_CHECKPOINT)
+    (control_id, control), (compressed_id, compressed) = trained["control"], trained["compressed"]
+    shas = {arm: workspace.sha256_file(folder / workspace.WEIGHTS_FILE) for arm, (_, folder) in trained.items()}
+    shutil.rmtree(control)
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    assert f"are missing: brought back from the `checkpoint` artifact of train run {control_id}" in capsys.readouterr().out
+    assert {e.details["arm"]: e.digest for e in _candidate_entries()} == shas
+    (compressed / workspace.WEIGHTS_FILE).unlink()  # a folder left without its weights: replaced whole
+    chosen = require.selection(cfg, PLAN, ledger.Ledger())
+    assert f"brought back from the `checkpoint` artifact of train run {compressed_id}" in capsys.readouterr().out
+    assert {arm: workspace.sha256_file(c.path / workspace.WEIGHTS_FILE) for arm, c in chosen.candidates.items()} == shas
+    assert sorted(p.name for p in compressed.iterdir()) == sorted(p.name for p in control.iterdir())
+
+
 def test_select_takes_the_newest_finished_run_of_the_plan(cfg, tiny_seed):
     fake_train_run(cfg, "control", tiny_seed.path)
     newest_id, newest = fake_train_run(cfg, "control", tiny_seed.path)
@@ -143,7 +161,9 @@ def test_evaluate_refuses_candidate_weights_changed_after_select(cfg, trained, c
     assert "they changed after selection, refusing to score them" in err
     shutil.rmtree(folder)
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
-    assert f"the checkpoint weights {folder / workspace.WEIGHTS_FILE} are missing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"the checkpoint weights {folder / workspace.WEIGHTS_FILE} are missing, and the `checkpoint` artifact of train run" in err
+    assert "could not be read" in err
     assert len(_runs(schema.STAGE_EVALUATE, "FAILED")) == 2
 
 @pytest.mark.parametrize("status", ["KILLED", "RUNNING"])

@@ -126,6 +126,25 @@ def test_second_study_reuses_every_step(first, copy):
     assert len(copy.runs("train")) == before
 
 
+def test_checkpoints_gone_after_select_train_nothing_again(first, copy, tmp_path):
+    # A selection is made once per plan: training an arm again could replace
+    # no candidate, so a study whose checkpoints were cleaned up reuses every step.
+    trained = copy.runs("train")
+    checkpoints = Path(copy.env["COOPSTUDY_HOME"]) / "checkpoints"
+    shutil.move(checkpoints, tmp_path / "kept")
+    try:
+        again = copy.coopstudy("study", "--preset", "tiny")
+    finally:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        shutil.move(tmp_path / "kept", checkpoints)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _steps(again.stdout, "reused") == list(study.STEP_NAMES)
+    for run in trained:
+        said = f"reused run {run.info.run_id} (config, sources and upstream unchanged; its checkpoint is gone from disk, and select already took it)"
+        assert said in again.stdout, again.stdout[-3000:]
+    assert len(copy.runs("train")) == len(trained)
+
+
 def test_report_alone_rebuilds_the_same_json(first, copy):
     folder = Path(copy.env["COOPSTUDY_HOME"]) / "reports"
     [written] = folder.glob("*/report.json")

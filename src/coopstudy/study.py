@@ -44,8 +44,9 @@ class Step:
     stage: str
     after: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
-    still_valid: Callable[["Checks", Any], None] | None = field(default=None, compare=False)
-    """Raises a UserError when what the step's run left behind no longer verifies."""
+    still_valid: Callable[["Checks", Any], str | None] | None = field(default=None, compare=False)
+    """Raises a UserError when what the step's run left behind no longer verifies;
+    may return a note on what it found, said beside the reuse."""
 
 
 @dataclass
@@ -91,12 +92,21 @@ def _under_plan_ok(checks: Checks, run: Any) -> None:
         raise UserError(f"run {run.info.run_id} ran under another plan than the one in force")
 
 
-def _checkpoint_ok(checks: Checks, run: Any) -> None:
+def _checkpoint_ok(checks: Checks, run: Any) -> str | None:
     _under_plan_ok(checks, run)
     folder = run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
     weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
-    if not weights.is_file() or workspace.sha256_file(weights) != run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
-        raise UserError(f"the checkpoint of run {run.info.run_id} is missing or changed")
+    if weights.is_file() and workspace.sha256_file(weights) == run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
+        return None
+    # A selection is made once per plan: training again could replace no
+    # candidate, only take the time of a whole arm. Evaluate, the one step
+    # still to read the weights, checks them itself.
+    state = "changed" if weights.is_file() else "gone from disk"
+    if run.info.run_id in require.selected_train_runs(checks.plan_in_force()):
+        return f"its checkpoint is {state}, and select already took it"
+    if not weights.is_file() and store.has_artifact(run.info.run_id, f"{schema.ART_CHECKPOINT}/{workspace.WEIGHTS_FILE}"):
+        return "its checkpoint is gone from disk, and select brings it back from the run's artifact"
+    raise UserError(f"the checkpoint of run {run.info.run_id} is {state}")
 
 
 STEPS: tuple[Step, ...] = (
@@ -159,21 +169,20 @@ def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
 
 
 def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str | None]:
-    """(the run a study reuses, None), or (None, why the newest finished run
-    under the key is not reused; None where there is none)."""
+    """(the run a study reuses, its check's note or None), or (None, why the
+    newest finished run under the key is not reused; None where there is none)."""
     runs = store.search_runs(
         checks.cfg.experiment,
         f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'",
     )
     if not runs:
         return None, None
-    if step.still_valid is not None:
-        try:
-            step.still_valid(checks, runs[0])
-        except UserError as err:
-            # Not its hint: the study is running the command it names.
-            return None, err.reason
-    return runs[0].info.run_id, None
+    try:
+        note = step.still_valid(checks, runs[0]) if step.still_valid else None
+    except UserError as err:
+        # Not its hint: the study is running the command it names.
+        return None, err.reason
+    return runs[0].info.run_id, note
 
 
 def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[str | None, str]:
@@ -246,11 +255,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         for n, step in enumerate(steps):
             key = step_key(step, cfg, keys)
             keys[step.name] = key
-            reused, stale = _reusable_run(step, checks, key)
+            reused, said = _reusable_run(step, checks, key)
             if reused:
-                print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged)", flush=True)
+                print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged{f'; {said}' if said else ''})", flush=True)
                 continue
-            print(f"study: {step.name}: running{f' (not reused: {stale})' if stale else ''}", flush=True)
+            print(f"study: {step.name}: running{f' (not reused: {said})' if said else ''}", flush=True)
             step_args = _step_args(step, args)
             if hasattr(step_args, "then"):
                 # The study runs what follows: a "next:" hint would tell the user to.

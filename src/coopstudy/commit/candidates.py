@@ -8,17 +8,22 @@ plan and re-hashes its checkpoint against the hash that run recorded;
 the record holds every selection the ledger does. Only FINISHED runs are
 candidates: a run interrupted, stopped or killed (KILLED or FAILED), or one
 whose stage died with it (left RUNNING), never is, whatever it left on disk.
-`verified_selection` gives the committed candidates back after re-hashing
-the weights on disk.
+`require.selection` gives the committed candidates back after re-hashing
+the weights on disk. Weights gone from disk are brought back from their train
+run's checkpoint artifact first (`weights_sha256`): the record keeps what a
+full disk or a clean-up may take; weights that changed are refused.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from coopstudy import workspace
+from coopstudy import errors, workspace
 from coopstudy.commit import ledger as ledger_mod
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError
@@ -48,11 +53,33 @@ def when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
-def weights_sha256(path: Path, what: str) -> str:
-    weights = path / workspace.WEIGHTS_FILE
+def weights_sha256(cand: Candidate, what: str) -> str:
+    """The sha256 of the candidate's weights on disk, brought back first from
+    its train run's checkpoint artifact where they are gone."""
+    weights = cand.path / workspace.WEIGHTS_FILE
     if not weights.is_file():
-        raise RefusedError(f"{what}: the checkpoint weights {weights} are missing")
+        _restore(cand, f"{what}: the checkpoint weights {weights} are missing")
     return workspace.sha256_file(weights)
+
+
+def _restore(cand: Candidate, missing: str) -> None:
+    """The train run's checkpoint artifact in place of `cand.path`, whole (a
+    folder left without its weights goes); refused, saying `missing`, where the
+    record holds none."""
+    cand.path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".restoring-", dir=cand.path.parent) as tmp:
+        try:
+            got = store.download_artifact(cand.train_run_id, schema.ART_CHECKPOINT, tmp)
+        except Exception as err:  # noqa: BLE001 - none there, or the store did not answer: the same refusal
+            raise RefusedError(
+                f"{missing}, and the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} "
+                f"could not be read ({errors.first_line(err)})"
+            ) from None
+        if not (got / workspace.WEIGHTS_FILE).is_file():
+            raise RefusedError(f"{missing}, and the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} holds none")
+        shutil.rmtree(cand.path, ignore_errors=True)
+        os.replace(got, cand.path)
+    print(f"{missing}: brought back from the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}", flush=True)
 
 
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
@@ -114,12 +141,12 @@ def final_candidates(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> d
     _refuse_if_selected(plan_sha, ledger)
     found = final_train_runs(cfg, plan_sha)
     for arm, cand in found.items():
-        actual = weights_sha256(cand.path, f"arm {arm}")
+        actual = weights_sha256(cand, f"arm {arm}")
         if actual != cand.sha256:
             raise RefusedError(
                 f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
                 f"recorded {cand.sha256[:12]}: the checkpoint changed after training",
-                hint=f"restore it from that run's `{schema.ART_CHECKPOINT}` artifact, "
+                hint=f"delete {cand.path} to have it brought back from that run's `{schema.ART_CHECKPOINT}` artifact, "
                 f"or train again (`python -m coopstudy train {cfg.arguments} --arm {arm}`)",
             )
     return found

@@ -190,6 +190,11 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
+def selected_train_runs(plan_sha: str) -> set[str]:
+    """The train runs whose checkpoints a selection under the plan took (none before select)."""
+    return {e.details["train_run_id"] for e in candidates.committed(plan_sha, ledger.Ledger())}
+
+
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:
     """The committed candidates, after checking that their weights on disk still hash to them."""
     entries = {}
@@ -207,13 +212,12 @@ def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Sel
         e = entries[arm]
         cand = candidates.Candidate(arm, e.digest, Path(e.details["path"]), e.details["train_run_id"])
         what = f"the {arm} candidate selected at {candidates.when(e.time)} by select run {e.details['select_run_id']}"
-        actual = candidates.weights_sha256(cand.path, what)
+        actual = candidates.weights_sha256(cand, what)
         if actual != cand.sha256:
             raise RefusedError(
                 f"{what}: the weights in {cand.path} hash to {actual[:12]}, not the selected {cand.sha256[:12]}; "
-                f"they changed after selection, refusing to score them; restore {cand.path} from the "
-                f"`{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} "
-                f"(`mlflow artifacts download --run-id {cand.train_run_id} --artifact-path {schema.ART_CHECKPOINT}`)"
+                "they changed after selection, refusing to score them",
+                hint=f"delete {cand.path} to have it brought back from the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}",
             )
         chosen[arm] = cand
     return candidates.Selection(chosen, entries[ARMS[0]].details["select_run_id"])

@@ -351,7 +351,8 @@ TAG_CHECKPOINT_SHA = "coopstudy.checkpoint_sha256"
 an evaluate child run: of the weights it scored."""
 TAG_CHECKPOINT_PATH = "coopstudy.checkpoint_path"
 """On a train arm run: the final checkpoint's directory on rank 0's local disk, <home>/checkpoints/<run id>/
-(HF format); select re-hashes the weights in it."""
+(HF format); select and evaluate re-hash the weights in it, and bring the folder back from the run's `checkpoint`
+artifact where the weights are gone."""
 ART_CHECKPOINT = "checkpoint"
 """On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"

@@ -464,6 +464,12 @@ def download_artifact(run_id: str, artifact_path: str, dst: str | Path | None = 
         return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=tracking_uri()))
 
 
+def has_artifact(run_id: str, artifact_path: str) -> bool:
+    """Whether the run holds the file `artifact_path` among its artifacts."""
+    folder = artifact_path.rpartition("/")[0] or None
+    return any(f.path == artifact_path for f in client().list_artifacts(run_id, folder))
+
+
 def artifact_json(run_id: str, artifact_path: str) -> Any:
     """A run's JSON artifact, parsed."""
     with tempfile.TemporaryDirectory(prefix="coopstudy-") as tmp:
