@@ -874,6 +874,33 @@ def test_two_selects_at_once_commit_one_selection(trained_store, tmp_path):
     assert len({e.details["select_run_id"] for e in chosen}) == 1
 
 
+def test_checkpoints_deleted_before_select_come_back_from_the_record(trained_store, tmp_path):
+    # Each train run holds its checkpoint folder as an artifact: a study reuses
+    # the runs, and select brings the folders back and hashes them as trained.
+    store = trained_store.copy(tmp_path / "store")
+    arms = _runs(store, f"tags.`{schema.TAG_CHECKPOINT_PATH}` != '' and attributes.status = 'FINISHED'")
+    trained = {r.data.tags[schema.TAG_ARM]: r for r in arms}
+    assert sorted(trained) == sorted(config.ARMS) and len(arms) == 2
+    folders = {arm: Path(r.data.tags[schema.TAG_CHECKPOINT_PATH]) for arm, r in trained.items()}
+    (tmp_path / "kept").mkdir()
+    for arm, folder in folders.items():  # the module's trained checkpoints: put back below
+        shutil.move(folder, tmp_path / "kept" / arm)
+    try:
+        done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
+        back = {arm: workspace.sha256_file(folder / workspace.WEIGHTS_FILE) for arm, folder in folders.items() if folder.is_dir()}
+    finally:
+        for arm, folder in folders.items():
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.move(tmp_path / "kept" / arm, folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for arm, run in trained.items():
+        said = f"study: train-{arm}: reused run {run.info.run_id} (config, sources and upstream unchanged; its checkpoint is gone from disk, and select brings it back from the run's artifact)"
+        assert said in done.stdout, done.stdout[-3000:]
+    assert "study: select: running" in done.stdout
+    assert back == {arm: r.data.tags[schema.TAG_CHECKPOINT_SHA] for arm, r in trained.items()}
+    assert {e.details["arm"]: e.digest for e in _entries(store) if e.kind == ledger.CANDIDATE} == back
+
+
 # --- 4. bad input ----------------------------------------------------------
 
 
