@@ -103,11 +103,11 @@ def test_weights_gone_from_disk_come_back_from_the_train_runs_artifact(cfg, trai
     shas = {arm: workspace.sha256_file(folder / workspace.WEIGHTS_FILE) for arm, (_, folder) in trained.items()}
     shutil.rmtree(control)
     assert cli.main(["select", "--preset", "tiny"]) == 0
-    assert f"are missing: brought back from the `checkpoint` artifact of train run {control_id}" in capsys.readouterr().out
+    assert f"are missing: bringing the folder back from the `checkpoint` artifact of train run {control_id}" in capsys.readouterr().out
     assert {e.details["arm"]: e.digest for e in _candidate_entries()} == shas
     (compressed / workspace.WEIGHTS_FILE).unlink()  # a folder left without its weights: replaced whole
     chosen = require.selection(cfg, PLAN, ledger.Ledger())
-    assert f"brought back from the `checkpoint` artifact of train run {compressed_id}" in capsys.readouterr().out
+    assert f"bringing the folder back from the `checkpoint` artifact of train run {compressed_id}" in capsys.readouterr().out
     assert {arm: workspace.sha256_file(c.path / workspace.WEIGHTS_FILE) for arm, c in chosen.candidates.items()} == shas
     assert sorted(p.name for p in compressed.iterdir()) == sorted(p.name for p in control.iterdir())
 

@@ -66,6 +66,8 @@ def _restore(cand: Candidate, missing: str) -> None:
     """The train run's checkpoint artifact in place of `cand.path`, whole (a
     folder left without its weights goes); refused, saying `missing`, where the
     record holds none."""
+    # Said first: a large model's folder takes minutes to come from a server.
+    print(f"{missing}: bringing the folder back from the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}", flush=True)
     cand.path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".restoring-", dir=cand.path.parent) as tmp:
         try:
@@ -79,7 +81,6 @@ def _restore(cand: Candidate, missing: str) -> None:
             raise RefusedError(f"{missing}, and the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} holds none")
         shutil.rmtree(cand.path, ignore_errors=True)
         os.replace(got, cand.path)
-    print(f"{missing}: brought back from the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}", flush=True)
 
 
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
