@@ -87,6 +87,15 @@ def test_a_preset_file_and_an_experiment_named_to_mlflow_run(project, tmp_path):
     assert not _runs(project.local, "coopstudy")
 
 
+def test_mlflow_runs_own_run_is_the_record_under_a_relative_sqlite_uri(project):
+    # The step names the file from the root; `mlflow run`'s run is still in the same store.
+    project.env["MLFLOW_TRACKING_URI"] = "sqlite:///mine.db"
+    project.mlflow_run("prepare", "--experiment-name", "mine", "-P", "preset=tiny")
+    (run,) = _runs(mlflow.MlflowClient(tracking_uri=f"sqlite:///{project.root / 'mine.db'}"), "mine")
+    assert run.info.status == "FINISHED" and schema.TAG_RECORD_RUN not in run.data.tags
+    assert run.data.tags[schema.TAG_STAGE] == schema.STAGE_PREPARE
+
+
 def test_a_relative_sqlite_uri_is_one_store_for_a_step_and_the_ranks_it_starts(tmp_path, probed_tiny_store):
     # Ranks run in the project folder; a step started below it names its file
     # from there, and the ranks must record in that file, not in one of their own.

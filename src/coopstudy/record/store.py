@@ -47,7 +47,8 @@ EXPERIMENT_KIND = "custom_model_development"
 @dataclass(frozen=True)
 class Launcher:
     """What `mlflow run` handed the entry point it started: its run, the store
-    and the experiment it created that run in. Read once, at import, because
+    (a relative SQLite file named from the root, as the study's store is) and
+    the experiment it created that run in. Read once, at import, because
     starting a run removes MLFLOW_RUN_ID from the environment."""
 
     run_id: str
@@ -55,11 +56,23 @@ class Launcher:
     experiment_id: str
 
 
+def _anchored(uri: str, base: Path | None = None) -> str:
+    """`uri`, its SQLite file named from the root where it was named from
+    `base` (the working folder by default): the processes a step starts (ranks,
+    probes) run in the project folder, and a relative name would open another
+    file there."""
+    prefix = "sqlite:///"
+    path, sep, query = uri[len(prefix) :].partition("?")
+    if not uri.startswith(prefix) or not path or path.startswith("/") or path == ":memory:":
+        return uri
+    return f"{prefix}{((base or Path.cwd()) / path).resolve()}{sep}{query}"
+
+
 def _launcher() -> Launcher | None:
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if not run_id:
         return None
-    return Launcher(run_id, os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ.get("MLFLOW_EXPERIMENT_ID", "0"))
+    return Launcher(run_id, _anchored(os.environ.get("MLFLOW_TRACKING_URI", "")), os.environ.get("MLFLOW_EXPERIMENT_ID", "0"))
 
 
 LAUNCHER = _launcher()
@@ -160,7 +173,7 @@ def _launcher_environment() -> dict[str, str] | None:
 
 def _users_uri() -> str | None:
     uri = os.environ.get("MLFLOW_TRACKING_URI") or None
-    if uri is None or LAUNCHER is None or uri != LAUNCHER.tracking_uri:
+    if uri is None or LAUNCHER is None or _anchored(uri) != LAUNCHER.tracking_uri:
         return uri
     users = _launcher_environment()
     if users is not None and "MLFLOW_RUN_ID" not in users:
@@ -183,7 +196,7 @@ def tracking_uri() -> str:
     users, named = _users_uri(), None
     if users is None:
         named = _uri_from_file()
-    uri = _anchored(users or named or local_default(), Path.cwd() if users else remote_file().parent)
+    uri = _anchored(users or named or local_default(), None if users else remote_file().parent)
     # Said once, at the first resolution: the write-back below makes every later one the environment's.
     _ORIGIN.setdefault(uri, "MLFLOW_TRACKING_URI" if users else str(remote_file()) if named else "the local default")
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -202,18 +215,6 @@ def tracking_uri() -> str:
         elif parts.scheme == "sqlite":
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
     return uri
-
-
-def _anchored(uri: str, base: Path) -> str:
-    """`uri`, its SQLite file named from the root when it was named from
-    `base`: the processes a step starts (ranks, probes) run in the project
-    folder, and a relative name would open another file there."""
-    database = _sqlite_database(uri) if uri.startswith("sqlite:") else None
-    if not database or Path(database).is_absolute():
-        return uri
-    from sqlalchemy.engine import make_url
-
-    return make_url(uri).set(database=str((base / database).resolve())).render_as_string(hide_password=False)
 
 
 def on_full_disk(err: BaseException) -> bool:
