@@ -112,6 +112,19 @@ def test_weights_gone_from_disk_come_back_from_the_train_runs_artifact(cfg, trai
     assert sorted(p.name for p in compressed.iterdir()) == sorted(p.name for p in control.iterdir())
 
 
+def test_weights_whose_artifact_differs_from_the_record_are_not_brought_back(cfg, trained, tmp_path, capsys):
+    run_id, folder = trained["control"]
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    _tamper(other)
+    store.client().log_artifacts(run_id, str(other), schema.ART_CHECKPOINT)
+    shutil.rmtree(folder)
+    assert cli.main(["select", "--preset", "tiny"]) == 2
+    said = f"arm control: the checkpoint weights {folder / workspace.WEIGHTS_FILE} are missing, and those of the `checkpoint` artifact of train run {run_id} hash to "
+    assert said in capsys.readouterr().err
+    assert not folder.exists() and not _candidate_entries()
+
+
 def test_select_takes_the_newest_finished_run_of_the_plan(cfg, tiny_seed):
     fake_train_run(cfg, "control", tiny_seed.path)
     newest_id, newest = fake_train_run(cfg, "control", tiny_seed.path)

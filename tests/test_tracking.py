@@ -21,13 +21,17 @@ def test_uri_precedence(monkeypatch, tmp_path):
     remote = tmp_path / "mlruns_remote.txt"
     remote.write_text("# comment\n\nhttp://127.0.0.1:5999\n")
     monkeypatch.setattr(store, "REMOTE_FILE", remote)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")
-    assert store.tracking_uri() == "sqlite:///x.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db?timeout=5")
+    # A relative file is named from where it was named (the ranks start elsewhere).
+    assert store.tracking_uri() == f"sqlite:///{Path.cwd().resolve() / 'x.db'}?timeout=5"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     # A server URI sets MLflow's HTTP retry variables; these are undone after the test.
     for name, value in store.HTTP_DEFAULTS.items():
         monkeypatch.setenv(name, value)
     assert store.tracking_uri() == "http://127.0.0.1:5999"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    remote.write_text("sqlite:///records/x.db\n")
+    assert store.tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'records' / 'x.db'}"
 
 
 def test_blank_remote_file_means_mlflow_default(monkeypatch, tmp_path):

@@ -14,16 +14,9 @@ each learning rate, one control-arm training from the seed (one process,
 numerics.update.worker_update over the preset's schedule, train.updates
 updates, or --updates) is scored the same way. Beside each trained model,
 the study's own screens on the development split: accuracy gain over the
-seed and retention (analysis.screens, with the preset's thresholds).
-
-The rule it prints, and which the README's measurement followed: keep the
-families that the seed does not already solve (below 50%) and that training
-moves by more than 10 points at some candidate rate; take the largest rate
-whose retention bound stays below the threshold.
-
-Logs one run (stage dev-split) with each model's metrics and the table as
-dev_split.json. Training and scoring take minutes per rate on CPU: a job of
-its own, for a quiet machine, not for the test suite's presets.
+seed and retention (analysis.screens, with the preset's thresholds). The
+rule it prints (`choose`, SOLVED and MOVED) and what it writes are in
+DESCRIPTION, its `--help`.
 """
 
 from __future__ import annotations
@@ -41,6 +34,13 @@ from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 
+DEV_SEED = 5_000_000
+"""Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
+SOLVED = 0.5
+"""A family the seed already answers this often teaches the study nothing."""
+MOVED = 0.10
+"""What training must add to a family's accuracy at some rate for the family to be kept."""
+
 HELP = "choose families and the learning rate on a development split (never the final test)"
 DESCRIPTION = f"""\
 Chooses families and the learning rate on a development split, never on the
@@ -57,21 +57,14 @@ scored the same way, beside the study's own screens on the split: accuracy
 gain over the seed, and retention under the preset's thresholds.
 
 The rule it prints, which the README's measurement followed: keep the
-families the seed does not already solve (below 50%) and that training moves
-by more than 10 points at some rate; take the largest rate whose retention
+families the seed does not already solve (below {SOLVED:.0%}) and that training moves
+by more than {MOVED * 100:.0f} points at some rate; take the largest rate whose retention
 bound stays below the threshold.
 
 Writes: one MLflow run (stage {schema.STAGE_DEV_SPLIT}) with each model's metrics and the
         table as {schema.ART_DEV_SPLIT}. Minutes per rate on CPU: a job of its own,
         for a quiet machine.
 """
-
-DEV_SEED = 5_000_000
-"""Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
-SOLVED = 0.5
-"""A family the seed already answers this often teaches the study nothing."""
-MOVED = 0.10
-"""What training must add to a family's accuracy at some rate for the family to be kept."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

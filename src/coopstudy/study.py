@@ -102,11 +102,19 @@ def _checkpoint_ok(checks: Checks, run: Any) -> str | None:
     # candidate, only take the time of a whole arm. Evaluate, the one step
     # still to read the weights, checks them itself.
     state = "changed" if weights.is_file() else "gone from disk"
-    if run.info.run_id in require.selected_train_runs(checks.plan_in_force()):
-        return f"its checkpoint is {state}, and select already took it"
-    if not weights.is_file() and store.has_artifact(run.info.run_id, f"{schema.ART_CHECKPOINT}/{workspace.WEIGHTS_FILE}"):
+    taken = require.selected_train_runs(checks.plan_in_force()).get(run.data.tags.get(schema.TAG_ARM, ""))
+    if taken is not None:
+        return f"its checkpoint is {state}, and select already took {'it' if taken == run.info.run_id else f'run {taken}'}"
+    if not weights.is_file() and _holds_checkpoint(run.info.run_id):
         return "its checkpoint is gone from disk, and select brings it back from the run's artifact"
     raise UserError(f"the checkpoint of run {run.info.run_id} is {state}")
+
+
+def _holds_checkpoint(run_id: str) -> bool:
+    try:
+        return store.has_artifact(run_id, f"{schema.ART_CHECKPOINT}/{workspace.WEIGHTS_FILE}")
+    except Exception:  # noqa: BLE001 - an artifact store that cannot be listed holds nothing the study can use
+        return False
 
 
 STEPS: tuple[Step, ...] = (

@@ -16,6 +16,7 @@ full disk or a clean-up may take; weights that changed are refused.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -58,29 +59,37 @@ def weights_sha256(cand: Candidate, what: str) -> str:
     its train run's checkpoint artifact where they are gone."""
     weights = cand.path / workspace.WEIGHTS_FILE
     if not weights.is_file():
-        _restore(cand, f"{what}: the checkpoint weights {weights} are missing")
+        return _restore(cand, f"{what}: the checkpoint weights {weights} are missing")
     return workspace.sha256_file(weights)
 
 
-def _restore(cand: Candidate, missing: str) -> None:
+def _restore(cand: Candidate, missing: str) -> str:
     """The train run's checkpoint artifact in place of `cand.path`, whole (a
-    folder left without its weights goes); refused, saying `missing`, where the
-    record holds none."""
+    folder left without its weights goes), when its weights are the ones the
+    candidate names: their sha256. Refused, saying `missing` first, otherwise."""
+    artifact = f"the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}"
     # Said first: a large model's folder takes minutes to come from a server.
-    print(f"{missing}: bringing the folder back from the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id}", flush=True)
-    cand.path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".restoring-", dir=cand.path.parent) as tmp:
-        try:
-            got = store.download_artifact(cand.train_run_id, schema.ART_CHECKPOINT, tmp)
-        except Exception as err:  # noqa: BLE001 - none there, or the store did not answer: the same refusal
-            raise RefusedError(
-                f"{missing}, and the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} "
-                f"could not be read ({errors.first_line(err)})"
-            ) from None
-        if not (got / workspace.WEIGHTS_FILE).is_file():
-            raise RefusedError(f"{missing}, and the `{schema.ART_CHECKPOINT}` artifact of train run {cand.train_run_id} holds none")
-        shutil.rmtree(cand.path, ignore_errors=True)
-        os.replace(got, cand.path)
+    print(f"{missing}: bringing the folder back from {artifact}", flush=True)
+    try:
+        cand.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".restoring-", dir=cand.path.parent) as tmp:
+            try:
+                got = store.download_artifact(cand.train_run_id, schema.ART_CHECKPOINT, tmp)
+            except Exception as err:  # noqa: BLE001 - none there, or the store did not answer: the same refusal
+                raise RefusedError(f"{missing}, and {artifact} could not be read ({errors.first_line(err)})") from None
+            if not (got / workspace.WEIGHTS_FILE).is_file():
+                raise RefusedError(f"{missing}, and {artifact} holds none")
+            actual = workspace.sha256_file(got / workspace.WEIGHTS_FILE)
+            if actual != cand.sha256:
+                raise RefusedError(f"{missing}, and those of {artifact} hash to {actual[:12]}, not {cand.sha256[:12]}")
+            if cand.path.exists():
+                shutil.rmtree(cand.path)
+            os.replace(got, cand.path)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # said as a full disk, in one line, by the CLI
+        raise RefusedError(f"{missing}, and they cannot be written back there ({err.strerror or err})") from None
+    return actual
 
 
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:

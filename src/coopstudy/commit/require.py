@@ -190,9 +190,12 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
-def selected_train_runs(plan_sha: str) -> set[str]:
-    """The train runs whose checkpoints a selection under the plan took (none before select)."""
-    return {e.details["train_run_id"] for e in candidates.committed(plan_sha, ledger.Ledger())}
+def selected_train_runs(plan_sha: str) -> dict[str, str]:
+    """Arm -> the train run whose checkpoint the plan's selection took (empty before select)."""
+    selected: dict[str, str] = {}
+    for e in candidates.committed(plan_sha, ledger.Ledger()):
+        selected.setdefault(e.details["arm"], e.details["train_run_id"])  # the first counts, as in `selection`
+    return selected
 
 
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:

@@ -61,11 +61,10 @@ def _anchored(uri: str, base: Path | None = None) -> str:
     `base` (the working folder by default): the processes a step starts (ranks,
     probes) run in the project folder, and a relative name would open another
     file there."""
-    prefix = "sqlite:///"
-    path, sep, query = uri[len(prefix) :].partition("?")
-    if not uri.startswith(prefix) or not path or path.startswith("/") or path == ":memory:":
+    named = re.fullmatch(r"(sqlite(?:\+\w+)?:///)([^?]*)(.*)", uri, re.DOTALL)
+    if not named or named[2] in ("", ":memory:") or named[2].startswith("/"):
         return uri
-    return f"{prefix}{((base or Path.cwd()) / path).resolve()}{sep}{query}"
+    return f"{named[1]}{((base or Path.cwd()) / named[2]).resolve()}{named[3]}"
 
 
 def _launcher() -> Launcher | None:

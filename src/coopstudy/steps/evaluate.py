@@ -22,7 +22,9 @@ generation, verified answers) and on the retention probes (NLL).
 
 Reads: the committed plan of this config (refused if anything it hashes
 changed), its selection (ledger entries of kind candidate), the candidates'
-checkpoints, the seed model and the prepared test and retention files.
+checkpoints (where their weights are gone, brought back first from the train
+run's `checkpoint` artifact, which must hash to the selection), the seed model
+and the prepared test and retention files.
 Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
 selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty

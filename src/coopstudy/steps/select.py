@@ -17,7 +17,8 @@ Reads: the committed plan of this config (refused if anything it hashes
 changed), the newest FINISHED train run of each arm (control, compressed)
 under that plan (tags coopstudy.stage=train, coopstudy.arm,
 coopstudy.plan_sha256), the checkpoint sha256 and local path it recorded, and
-the weights on disk.
+the weights on disk (where they are gone, brought back first from the train
+run's `checkpoint` artifact, which must hash the same).
 Writes: two ledger entries (kind candidate, subject <plan sha>/<arm>, the
 weights' sha256) and a select run tagged with the plan,
 coopstudy.candidate.<arm> (each hash) and coopstudy.candidate_run.<arm> (each

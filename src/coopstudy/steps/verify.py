@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,12 @@ from coopstudy.commit import sources
 from coopstudy.config import Config
 from coopstudy.record import schema, writer
 
-# coopstudy.numerics.gate (torch, transformers) is imported when the step runs, so
-def _wrapped(names) -> str:
+
+def _wrapped(names: Iterable[str]) -> str:
     return textwrap.fill(", ".join(names), 70, subsequent_indent=" " * 9)
 
 
+# coopstudy.numerics.gate (torch, transformers) is imported when the step runs, so
 # `--help` stays fast; tests/test_gate.py keeps this text in step with it.
 HELP = "equivalence gate: the batched two-rank DDP update must match the per-document reference"
 DESCRIPTION = f"""\
