@@ -161,10 +161,17 @@ def test_dry_run_prints_resolved_config(cli):
     assert "lr: 0.5" in res.stdout
 
 
-def test_dry_run_refuses_a_misspelt_family_as_prepare_does(cli):
-    res = cli("train", "--preset", "tiny", "--set", "data.families=[gcdd]", "--dry-run")
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("data.families=[gcdd]", "data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
+        ("data.family_options={gcd: {min_valu: 5}}", "data.families: reasoning-gym cannot make 'gcd': GCDConfig.__init__() got an unexpected keyword argument 'min_valu'"),
+    ],
+)
+def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
+    res = cli("train", "--preset", "tiny", "--set", override, "--dry-run")
     assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == "coopstudy train: error: data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?\n"
+    assert res.stderr == f"coopstudy train: error: {said}\n"
 
 
 @pytest.mark.parametrize("native, resolved", [(True, "bf16"), (False, "fp32")])

@@ -60,7 +60,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "spaces is one quoted word (--set 'data.families=[gcd, products]'); within a word a new "
         "override starts at each space followed by KEY=; --dry-run prints every key with its value",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit (family names checked against reasoning-gym)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit (families and their options checked against reasoning-gym)")
 
 
 def _module(name: str) -> ModuleType:
@@ -184,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_mod.load(args.preset, _with_experiment(overrides))
         config_mod.remember_overrides(cfg, overrides)
         if args.dry_run:
-            # Loading leaves the family names to `prepare` (reasoning-gym takes a
+            # Loading leaves the families to `prepare` (reasoning-gym takes a
             # second to import); a dry run is where a misspelt one should show.
             from coopstudy.inputs import tasks
 
-            tasks.check_families(cfg.data.families, "data.families")
+            tasks.check_families(cfg.data.families, "data.families", cfg.data.family_options)
             print(config_mod.to_yaml(cfg), end="")
             return 0
         code = _run_step(args.step, cfg, args)

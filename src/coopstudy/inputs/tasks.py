@@ -99,9 +99,10 @@ def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_se
     )
 
 
-def check_families(families: Sequence[str], key: str) -> None:
-    """Refuse a family reasoning-gym does not know, or one named twice, before
-    any work starts: otherwise it surfaces only when the tasks are generated."""
+def check_families(families: Sequence[str], key: str, options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Refuse a family reasoning-gym does not know, or one named twice, and
+    options it does not take, before any work starts: otherwise they surface
+    only when the tasks are generated (after the seed is made)."""
     import difflib
 
     from reasoning_gym.factory import DATASETS
@@ -113,6 +114,8 @@ def check_families(families: Sequence[str], key: str) -> None:
             near = difflib.get_close_matches(family, DATASETS, n=3)
             hint = f"did you mean {' or '.join(near)}?" if near else f"it knows {len(DATASETS)}, e.g. {', '.join(sorted(DATASETS)[:3])}"
             raise UserError(f"{key}: reasoning-gym has no family {family!r}; {hint}")
+    for family, given in (options or {}).items():
+        dataset(family, 0, 1, given)  # one item: instant, and made as generation makes them
 
 
 def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None):

@@ -43,7 +43,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         # refused before any work.
         book.entries()
         pool = data.conversation_pool(cfg)
-        tasks.check_families(cfg.data.families, "data.families")
+        tasks.check_families(cfg.data.families, "data.families", cfg.data.family_options)
 
         seed_at = time.perf_counter()
         seed = resolve_seed(cfg)
