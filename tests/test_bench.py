@@ -150,7 +150,7 @@ def test_bench_arms_takes_the_matmul_peaks_under_its_device_lock(prepared_tiny, 
     monkeypatch.setattr(arms, "matmul_peak_gflops", peak)
     with pytest.raises(RuntimeError, match="stopped at the first peak"):
         arms.measure(cfg, updates=1, arms=("control",), console=Console(width=140))
-    assert len(seen) == 1 and "in use by training job" in seen[0] and "coopstudy bench arms --preset tiny" in seen[0]
+    assert len(seen) == 1 and "in use by job" in seen[0] and "coopstudy bench arms --preset tiny" in seen[0]
     (parent,) = _runs("attributes.run_name = 'bench-arms-tiny'")
     assert parent.info.status == "FAILED"
 

@@ -833,7 +833,7 @@ def test_two_trains_at_once_one_proceeds_the_other_refuses_in_one_line(planned_s
     (ok, _), (refused, said) = results
     assert (ok, refused) == (0, 2), said[-3000:]
     (line,) = said.strip().splitlines()
-    assert line.startswith("coopstudy train: error: device cpu on ") and "is in use by training job pid " in line, said[-3000:]
+    assert line.startswith("coopstudy train: error: device cpu on ") and "is in use by job pid " in line, said[-3000:]
     assert "(coopstudy train --arm control --preset tiny, since" in line and "jobs never share a device" in line
     runs = _runs(store, "attributes.run_name = 'train-control-tiny'")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]

@@ -51,10 +51,20 @@ def test_a_second_training_job_on_the_same_devices_is_refused(cli):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert f"in use by training job pid {os.getpid()} (a training job in this test" in lines[0]
+    assert f"in use by job pid {os.getpid()} (a training job in this test" in lines[0]
     (run,) = _train_runs()
     assert run.info.status == "FAILED" and run.info.run_name == "train-both-tiny"
     assert f"pid {os.getpid()}" in run.data.tags[schema.TAG_ERROR]
+
+
+@pytest.mark.parametrize("argv", [("evaluate",), ("dev-split",)], ids=" ".join)
+def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, argv):
+    # Its work would spoil the training job's timings, and the training job its own.
+    with lock.device_lock(launch.local_devices(1), "a training job in this test"):
+        result = cli(*argv, "--preset", "tiny")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"coopstudy {argv[0]}: error: device ") and f"in use by job pid {os.getpid()} (a training job in this test" in line
 
 
 def test_the_lock_is_free_again_after_the_holder_ends():
@@ -204,7 +214,7 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock_in_another_proce
     )  # fmt: skip
     try:
         assert holding.stdout.readline().strip() == "held"
-        with pytest.raises(RefusedError, match=f"device testdev on .* is in use by training job pid {holding.pid} \\(holder, since"):
+        with pytest.raises(RefusedError, match=f"device testdev on .* is in use by job pid {holding.pid} \\(holder, since"):
             with lock.device_lock(["testdev"], "second"):
                 pass
     finally:

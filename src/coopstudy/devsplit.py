@@ -33,6 +33,7 @@ from coopstudy.errors import UserError
 from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
+from coopstudy.run import lock
 
 DEV_SEED = 5_000_000
 """Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
@@ -170,7 +171,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")
     families = list(dev.data.families)
     console = ui.console(120)
-    with writer.stage_run(schema.STAGE_DEV_SPLIT, dev, run_name=f"dev-split-{cfg.preset}") as rec:
+    holder = f"coopstudy dev-split --preset {cfg.preset_argument}"
+    with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_DEV_SPLIT, dev, run_name=f"dev-split-{cfg.preset}") as rec:
+        held.note(run_id=rec.run_id)
         seed = resolve_seed(dev)
         tokenizer = scoring.load_tokenizer(seed.path, "seed")
         start = time.perf_counter()

@@ -13,6 +13,7 @@ from coopstudy.devsplit import DEV_SEED
 from coopstudy.inputs import chat, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
+from coopstudy.run import lock
 
 
 def generation_cases(cfg: Config, items: int) -> list[dict]:
@@ -56,7 +57,9 @@ def measure(cfg: Config, items: int) -> int:
     outputs = {}
     # The run opens before the first generation: an interrupt or a tracking
     # outage while measuring ends it KILLED or FAILED, as in the other benches.
-    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-generate-{cfg.preset}") as rec:
+    holder = f"coopstudy bench generate --preset {cfg.preset_argument}"
+    with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-generate-{cfg.preset}") as rec:
+        held.note(run_id=rec.run_id)
         for mode, label, batch in modes:
             start = time.perf_counter()
             with ui.progress(label, len(test)) as advance:

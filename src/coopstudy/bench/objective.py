@@ -21,6 +21,7 @@ from coopstudy.inputs.seed import resolve_seed
 from coopstudy.numerics import batching, objective, update
 from coopstudy.numerics.distributed import DistContext
 from coopstudy.record import schema, writer
+from coopstudy.run import lock
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,12 @@ def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict
 
     # The run opens before the first update: an interrupt or a tracking outage
     # while measuring ends it KILLED or FAILED, as in the other benches.
-    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec:
+    holder = f"coopstudy bench objective --preset {cfg.preset_argument}"
+    with (
+        lock.one_process_job(holder) as held,
+        writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec,
+    ):
+        held.note(run_id=rec.run_id)
         batched_s, reference_s, loss_gaps = [], [], []
         real_tokens = computed_tokens = 0
         # Row 0 warms both paths up (allocator, lazy inits) and is not timed; the

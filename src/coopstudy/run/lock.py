@@ -1,10 +1,13 @@
-"""One training job per device at a time.
+"""One job per device at a time.
 
 The protocol runs control and compressed sequentially, never two training
 jobs on one device: a second job sharing a device would slow both and spoil
 every timing. `device_lock(devices, holder)` takes one lock file per device
 under <home>/locks/ (fcntl.flock, so a crashed job's locks vanish with its
-process) and refuses, naming the holder's pid, when any is taken.
+process) and refuses, naming the holder's pid, when any is taken. Jobs of
+one process that compute on the device (evaluate, dev-split, the benches)
+hold it too (`one_process_job`): their work would spoil a training job's
+timings, and a training job theirs.
 
 The holder writes itself into the file (pid, what it is, since when) and
 adds, as it goes, the runs it writes and the process group of the
@@ -191,7 +194,7 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
                 who = _holder_of(fh)
                 fh.close()
                 raise RefusedError(
-                    f"device {device} on {host} is in use by training job {who}; "
+                    f"device {device} on {host} is in use by job {who}; "
                     "wait for it to finish (jobs never share a device)"
                 ) from None
             left = _info(fh)
@@ -208,3 +211,10 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
         for fh in held:
             fh.truncate(0)
             fh.close()
+
+
+@contextlib.contextmanager
+def one_process_job(holder: str) -> Iterator[Held]:
+    """The device a job of this one process computes on, held as training holds it."""
+    with device_lock(launch.local_devices(1), holder) as held:
+        yield held

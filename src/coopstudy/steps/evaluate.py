@@ -14,6 +14,7 @@ from coopstudy.errors import UserError
 from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
+from coopstudy.run import lock
 
 HELP = "score seed, control and compressed on the final test and the retention probes"
 DESCRIPTION = """\
@@ -42,7 +43,9 @@ up to evaluate.max_new_tokens, stopped at the end of turn."""
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
-    with writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
+    holder = f"coopstudy evaluate --preset {cfg.preset_argument}"
+    with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
+        held.note(run_id=rec.run_id)
         plan_sha = require.committed_plan(cfg)
         plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
         rec.set_tags(plan_tags)
@@ -78,6 +81,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 run_name=f"evaluate-{name}-{cfg.preset}",
                 tags=plan_tags | {schema.TAG_MODEL: name, schema.TAG_CHECKPOINT_SHA: sha},
             ) as child:
+                held.note(run_id=child.run_id)
                 scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
                 child.log_inputs(read, context="evaluation")
                 # The Models view compares the three, each figure on the file it was measured on.
