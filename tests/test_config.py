@@ -165,7 +165,7 @@ def test_dry_run_prints_resolved_config(cli):
     "override, said",
     [
         ("data.families=[gcdd]", "data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
-        ("data.family_options={gcd: {min_valu: 5}}", "data.families: reasoning-gym cannot make 'gcd': GCDConfig.__init__() got an unexpected keyword argument 'min_valu'"),
+        ("data.family_options={gcd: {min_valu: 5}}", "data.family_options: reasoning-gym cannot make 'gcd': GCDConfig.__init__() got an unexpected keyword argument 'min_valu'"),
     ],
 )
 def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):

@@ -582,7 +582,7 @@ def test_a_killed_train_stage_leaves_a_stale_lock_the_next_train_takes_saying_so
     assert not psutil.pid_exists(left[0].pid) or left[0].status() == psutil.STATUS_ZOMBIE
     ended = _client(ends_store).get_run(dead.info.run_id)
     assert ended.info.status == "KILLED"
-    assert f"the training job pid {stage.pid}" in ended.data.tags[schema.TAG_ERROR]
+    assert f"the job pid {stage.pid}" in ended.data.tags[schema.TAG_ERROR]
     assert "died without releasing device" in ended.data.tags[schema.TAG_ERROR]
     assert _newest(ends_store, "train-control-tiny").info.status == "FINISHED"
     _locks_free(ends_store)
@@ -978,7 +978,7 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "a family option reasoning-gym refuses": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gcd: {min_value: -5}}"),
-        "data.families: reasoning-gym cannot make 'gcd': min_value must be positive",
+        "data.family_options: reasoning-gym cannot make 'gcd': min_value must be positive",
     ),
     "options for a family not studied": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.family_options={gdc: {min_value: 5}}"),

@@ -57,7 +57,7 @@ def test_a_second_training_job_on_the_same_devices_is_refused(cli):
     assert f"pid {os.getpid()}" in run.data.tags[schema.TAG_ERROR]
 
 
-@pytest.mark.parametrize("argv", [("evaluate",), ("dev-split",)], ids=" ".join)
+@pytest.mark.parametrize("argv", [("evaluate",), ("dev-split",), ("bench", "objective"), ("bench", "generate")], ids=" ".join)
 def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, argv):
     # Its work would spoil the training job's timings, and the training job its own.
     with lock.device_lock(launch.local_devices(1), "a training job in this test"):

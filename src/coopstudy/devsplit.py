@@ -64,7 +64,8 @@ bound stays below the threshold.
 
 Writes: one MLflow run (stage {schema.STAGE_DEV_SPLIT}) with each model's metrics and the
         table as {schema.ART_DEV_SPLIT}. Minutes per rate on CPU: a job of its own,
-        for a quiet machine.
+        for a quiet machine; it holds the device as `train` does, and refuses
+        while another job holds it.
 """
 
 
@@ -165,6 +166,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.families:
         tasks.check_families(args.families, "--families")
     dev = _dev_config(cfg, args.families, args.dev_seed)
+    tasks.check_families(dev.data.families, "--families" if args.families else "data.families", dev.data.family_options)
     tasks.check_development_seed(cfg.data, dev.data.families, args.dev_seed)
     updates = args.updates if args.updates is not None else dev.train.updates
     if not 1 <= updates <= dev.train.updates:

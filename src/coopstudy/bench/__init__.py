@@ -62,6 +62,10 @@ seed's strict accuracy per family on these cases. The run
 bench-generate-<preset> gets each mode's seconds and cases/s, the speed-up and
 the count of identical outputs. Evaluation is not a timed arm: torch keeps its
 default thread count, which is printed.
+
+Every bench holds the device lock that `train` and `probe` take (`objective`
+the CPU's, whatever the host has): a bench beside a training job would spoil
+both jobs' timings, so the one that comes second refuses.
 """
 
 from __future__ import annotations

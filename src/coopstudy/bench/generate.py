@@ -37,6 +37,12 @@ def generation_cases(cfg: Config, items: int) -> list[dict]:
 
 
 def measure(cfg: Config, items: int) -> int:
+    # Held before the model is loaded: on CUDA it takes the device's memory.
+    with lock.one_process_job(f"coopstudy bench generate --preset {cfg.preset_argument}") as held:
+        return _measure(cfg, items, held)
+
+
+def _measure(cfg: Config, items: int, held: lock.Held) -> int:
     seed = resolve_seed(cfg)
     tokenizer = scoring.load_tokenizer(seed.path, "seed")
     model = scoring.load_model(seed.path, "seed", tokenizer)
@@ -57,8 +63,7 @@ def measure(cfg: Config, items: int) -> int:
     outputs = {}
     # The run opens before the first generation: an interrupt or a tracking
     # outage while measuring ends it KILLED or FAILED, as in the other benches.
-    holder = f"coopstudy bench generate --preset {cfg.preset_argument}"
-    with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-generate-{cfg.preset}") as rec:
+    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-generate-{cfg.preset}") as rec:
         held.note(run_id=rec.run_id)
         for mode, label, batch in modes:
             start = time.perf_counter()

@@ -79,6 +79,12 @@ def _load_seed(cfg: Config) -> torch.nn.Module:
 
 
 def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict[str, float]:
+    # Its updates run on the CPU whatever the host has.
+    with lock.one_process_job(f"coopstudy bench objective --preset {cfg.preset_argument}", ["cpu"]) as held:
+        return _measure(cfg, updates=updates, source=source, console=console, held=held)
+
+
+def _measure(cfg: Config, *, updates: int, source: str, console: Console, held: lock.Held) -> dict[str, float]:
     torch.set_num_threads(cfg.train.threads_per_device)
     lm = _load_seed(cfg)
     docs, schedule, note = _documents(cfg, source, lm.config.vocab_size)
@@ -96,11 +102,7 @@ def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict
 
     # The run opens before the first update: an interrupt or a tracking outage
     # while measuring ends it KILLED or FAILED, as in the other benches.
-    holder = f"coopstudy bench objective --preset {cfg.preset_argument}"
-    with (
-        lock.one_process_job(holder) as held,
-        writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec,
-    ):
+    with writer.stage_run(schema.STAGE_BENCH, cfg, run_name=f"bench-objective-{cfg.preset}", tags={schema.TAG_BENCH_DOCUMENTS: note}) as rec:
         held.note(run_id=rec.run_id)
         batched_s, reference_s, loss_gaps = [], [], []
         real_tokens = computed_tokens = 0

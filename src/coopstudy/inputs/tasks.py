@@ -115,17 +115,17 @@ def check_families(families: Sequence[str], key: str, options: Mapping[str, Mapp
             hint = f"did you mean {' or '.join(near)}?" if near else f"it knows {len(DATASETS)}, e.g. {', '.join(sorted(DATASETS)[:3])}"
             raise UserError(f"{key}: reasoning-gym has no family {family!r}; {hint}")
     for family, given in (options or {}).items():
-        dataset(family, 0, 1, given)  # one item: instant, and made as generation makes them
+        dataset(family, 0, 1, given, key="data.family_options")  # one item: instant, and made as generation makes them
 
 
-def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None):
+def dataset(family: str, seed: int, size: int, options: Mapping[str, Any] | None = None, *, key: str = "data.families"):
     import reasoning_gym
 
     try:
         return reasoning_gym.create_dataset(family, seed=seed, size=size, **dict(options or {}))
     except (ValueError, KeyError, TypeError, AssertionError) as err:
         # reasoning-gym checks its options with `assert`, and the message names what is wrong.
-        raise UserError(f"data.families: reasoning-gym cannot make {family!r}: {str(err) or type(err).__name__}") from None
+        raise UserError(f"{key}: reasoning-gym cannot make {family!r}: {str(err) or type(err).__name__}") from None
 
 
 def _entry(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -161,7 +161,7 @@ def _recover(device: str, host: str, info: dict[str, Any], holder: str) -> None:
     pid = info.get("pid")
     gone = "is gone" if not (isinstance(pid, int) and psutil.pid_exists(pid)) else "no longer holds it"
     stopped = _stop_leftovers(info["group"]) if isinstance(info.get("group"), dict) else []
-    reason = f"the training job {who} died without releasing device {device} on {host} (killed?); found by {holder} (pid {os.getpid()})"
+    reason = f"the job {who} died without releasing device {device} on {host} (killed?); found by {holder} (pid {os.getpid()})"
     if stopped:
         reason += f", which stopped its leftover processes {', '.join(map(str, stopped))}"
     ended = _end_dead_runs(info, reason)
@@ -214,7 +214,8 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
 
 
 @contextlib.contextmanager
-def one_process_job(holder: str) -> Iterator[Held]:
-    """The device a job of this one process computes on, held as training holds it."""
-    with device_lock(launch.local_devices(1), holder) as held:
+def one_process_job(holder: str, devices: Sequence[str] | None = None) -> Iterator[Held]:
+    """The device a job of this one process computes on (the first one a
+    training job would take, unless `devices` says), held as training holds it."""
+    with device_lock(devices or launch.local_devices(1), holder) as held:
         yield held

@@ -26,6 +26,7 @@ changed), its selection (ledger entries of kind candidate), the candidates'
 checkpoints (where their weights are gone, brought back first from the train
 run's `checkpoint` artifact, which must hash to the selection), the seed model
 and the prepared test and retention files.
+Holds the device as `train` does, and refuses while another job holds it.
 Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
 selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty

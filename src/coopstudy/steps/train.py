@@ -25,7 +25,7 @@ on one host (its per-node launcher) or on two hosts (--hostfile: both hosts
 need this checkout and environment, the same prepared inputs and gate receipt,
 passwordless ssh and pdsh, and a tracking server both reach). On CPU one
 device is train.threads_per_device cores. `--arm both` trains the control, then
-the compressed arm, never both at once; a lock refuses a second training job
+the compressed arm, never both at once; a lock refuses a second job
 on the same devices.
 
 Reads:  the committed plan (`plan`), and through it the gate receipt (`verify`),
