@@ -62,6 +62,8 @@ RUN_METRICS = {
     "bytes_setup": schema.M_BYTES_SETUP,
     "peak_rss_mb": schema.M_PEAK_RSS_MB,
     "cost_usd": schema.M_COST_USD,
+    "others_cores": schema.M_OTHERS_CORES,
+    "steal_seconds": schema.M_STEAL_SECONDS,
 }
 # The speed screens cannot be computed without these; the rest are reported
 # beside the screens and may be absent (an arm that transmits nothing).

@@ -469,7 +469,7 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
     parts add up to the total on the page.
     """
     columns = ["active_seconds", "complete_seconds", "device_seconds", "checkpoint_seconds",
-               *BYTES_PER_WORKER, "bytes_setup", "cost_usd", "peak_rss_mb"]
+               *BYTES_PER_WORKER, "bytes_setup", "cost_usd", "peak_rss_mb", "others_cores", "steal_seconds"]
     arms = {}
     for _, row in train.iterrows():
         arm = str(row["arm"])

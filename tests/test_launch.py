@@ -67,6 +67,19 @@ def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, 
     assert line.startswith(f"coopstudy {argv[0]}: error: device ") and f"in use by job pid {os.getpid()} (a training job in this test" in line
 
 
+def test_a_launch_says_how_busy_other_processes_kept_the_host():
+    # The launched process sleeps; a busy loop it did not start takes about a core.
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        done = launch.run([sys.executable, "-c", "import time; time.sleep(3)"], os.environ, 1)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert done.returncode == 0
+    assert launch.machine_metrics(done)[schema.M_OTHERS_CORES] > 0.4
+    assert launch.loaded_said("train control", done).startswith("train control: other processes kept ")
+
+
 def test_the_lock_is_free_again_after_the_holder_ends():
     with lock.device_lock(["cpu"], "first"):
         pass

@@ -71,6 +71,8 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                 schema.M_BYTES_SETUP: setup_bytes,
                 schema.M_PEAK_RSS_MB: 800.0,
                 schema.M_COST_USD: 0.0,
+                schema.M_OTHERS_CORES: 0.5 if arm == "compressed" else 0.0,
+                schema.M_STEAL_SECONDS: 0.0,
             }
         )
         return rec.run_id
@@ -204,6 +206,7 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     for s in report["screens"]:
         assert {"estimate", "bound", "interval", "threshold", "verdict", "method", "run_ids"} <= s.keys()
     assert report["resources"]["device_seconds_ratio"] == pytest.approx(120 / 80)
+    assert report["resources"]["arms"]["compressed"]["others_cores"] == 0.5
     assert report["accuracy"]["seed"]["families"]["all"]["correct"] == 40  # partial credit is not correct
 
     # Rebuilt by a fresh process from the tracking store alone, as a user runs

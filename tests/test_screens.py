@@ -181,7 +181,8 @@ def _train(control: tuple[float, float], compressed: tuple[float, float]) -> pd.
         rows.append({"arm": arm, "run_id": f"run-{arm}", "active_seconds": active, "complete_seconds": complete,
                      "device_seconds": devices * complete, "checkpoint_seconds": 1.5, "bytes_dense": 0.0 if devices == 1 else 4e6,
                      "bytes_compressed": 0.0 if devices == 1 else 1e6, "bytes_total": 0.0 if devices == 1 else 5e6, "bytes_setup": 0.0 if devices == 1 else 2e5,
-                     "cost_usd": 0.25 * devices, "peak_rss_mb": 900.0, })
+                     "cost_usd": 0.25 * devices, "peak_rss_mb": 900.0, "others_cores": 0.9 if devices == 1 else float("nan"),
+                     "steal_seconds": 0.0, })
     return pd.DataFrame(rows)
 
 
@@ -219,6 +220,8 @@ def test_resources_are_reported_not_judged():
     assert res["device_seconds_ratio"] == pytest.approx(250 / 130)
     assert res["arms"]["compressed"]["bytes_dense"] == 4e6
     assert res["arms"]["compressed"]["run_id"] == "run-compressed"
+    # How busy other processes kept the host, beside: a run that did not measure it has none.
+    assert (res["arms"]["control"]["others_cores"], res["arms"]["compressed"]["others_cores"]) == (0.9, None)
 
 
 # --- sensitivity beside every verdict -------------------------------------------

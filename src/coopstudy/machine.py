@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import resource
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -184,3 +186,35 @@ def free_blocks_mb(buddyinfo: str, below_order: int, page_bytes: int) -> float:
         counts = line.split()[4:]
         pages += sum(int(count) << order for order, count in enumerate(counts[:below_order]))
     return pages * page_bytes / 2**20
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds since boot: the machine's (every core, /proc/stat), and this
+    process's own and its waited-for descendants' (getrusage)."""
+
+    busy: float
+    """user, nice, system, irq and softirq: every process's work, a VM guest's included."""
+    steal: float
+    """What the hypervisor gave other machines while this one wanted to run."""
+    ours: float
+
+    @staticmethod
+    def now() -> CpuTimes | None:
+        """None without procfs."""
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        except OSError:
+            return None
+        ticks = [int(v) / os.sysconf("SC_CLK_TCK") for v in fields[1:]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0.0] * 8)[:8]
+        ours = sum(
+            sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        return CpuTimes(user + nice + system + irq + softirq, steal, ours)
+
+    def others_since(self, start: CpuTimes) -> tuple[float, float]:
+        """(CPU seconds other processes took, seconds stolen) between `start` and
+        this: only what this process and the children it waited for (with theirs)
+        did not take. A child still running is counted as another's."""
+        return max(0.0, (self.busy - start.busy) - (self.ours - start.ours)), self.steal - start.steal

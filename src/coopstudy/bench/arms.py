@@ -85,7 +85,13 @@ def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tup
         how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
         console.print(f"bench arms: {arm}, {how}, {updates} updates, run {rec.run_id}")
         done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
-        rec.log_metrics({schema.M_COMPLETE_SECONDS: done.complete_seconds, schema.M_DEVICE_SECONDS: workers * done.complete_seconds})
+        rec.log_metrics(
+            {schema.M_COMPLETE_SECONDS: done.complete_seconds, schema.M_DEVICE_SECONDS: workers * done.complete_seconds}
+            | launch.machine_metrics(done)
+        )
+        loaded = launch.loaded_said(f"bench arms: {arm}", done)
+        if loaded:
+            console.print(f"warning: {loaded}")
         if done.returncode != 0:
             raise UserError(f"bench arms: {launch.failure(rec.run_id, arm, workers, done.returncode)}")
         client = store.client()

@@ -63,6 +63,12 @@ class Exit:
     complete_seconds: float
     """First process start to last process exit."""
     workers: int
+    others_cpu_seconds: float | None = None
+    """CPU seconds that processes other than the launched ones (and this
+    stage) took on this host meanwhile: a quiet machine's is near 0. None
+    without procfs."""
+    steal_seconds: float | None = None
+    """CPU seconds the hypervisor gave other machines meanwhile."""
 
 
 def _visible_gpus() -> list[str]:
@@ -412,6 +418,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
     """Start `cmd`, wait for it, and time it from the outside. `held` (a
     run.lock.Held) records the launch's process group while it runs."""
     with stopping():
+        cpu_at_start = machine.CpuTimes.now()
         start = time.perf_counter()
         # Its own process group: a terminal's Ctrl-C reaches the stage only,
         # which stops the processes in order; and the group outlives the stage
@@ -441,7 +448,34 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         finally:
             if held is not None and proc.poll() is not None:
                 held.note()
-        return Exit(returncode=returncode, complete_seconds=time.perf_counter() - start, workers=workers)
+        complete = time.perf_counter() - start
+        cpu = machine.CpuTimes.now()
+        others, steal = cpu.others_since(cpu_at_start) if cpu and cpu_at_start else (None, None)
+        return Exit(returncode, complete, workers, others, steal)
+
+
+LOADED_CORES = 0.25
+"""Other processes keeping this many cores busy on average while an arm ran
+make its timings a loaded machine's, and the stage says so."""
+
+
+def machine_metrics(done: Exit) -> dict[str, float]:
+    """What the record keeps of how quiet the host was while `done` ran."""
+    if done.others_cpu_seconds is None or done.steal_seconds is None:
+        return {}
+    return {schema.M_OTHERS_CORES: done.others_cpu_seconds / done.complete_seconds, schema.M_STEAL_SECONDS: done.steal_seconds}
+
+
+def loaded_said(arm: str, done: Exit) -> str | None:
+    """A line for a launch that ran on a loaded host, or None."""
+    metrics = machine_metrics(done)
+    cores = metrics.get(schema.M_OTHERS_CORES, 0.0)
+    if cores < LOADED_CORES:
+        return None
+    return (
+        f"{arm}: other processes kept {cores:.2f} cores busy on average while it ran "
+        f"({schema.M_OTHERS_CORES}): its timings are a loaded machine's"
+    )
 
 
 def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nodes: int | None = None) -> list[str]:

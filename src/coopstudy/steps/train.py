@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +188,11 @@ def train_arm(
             schema.M_DEVICE_SECONDS: device_seconds,
             schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
         }
+        | launch.machine_metrics(done)
     )
+    loaded = launch.loaded_said(f"train {arm}", done)
+    if loaded:
+        print(f"warning: {loaded}", file=sys.stderr, flush=True)
     if done.returncode != 0:
         raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode, here=workers // nodes.count if nodes else None))
 
