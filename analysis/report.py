@@ -246,8 +246,8 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("workers", "workers", 0),
         ("spent cost (USD)", "cost_usd", 2),
         ("peak RSS (MiB)", "peak_rss_mb", 0),
-        ("cores other processes kept busy meanwhile (0: a quiet machine)", "others_cores", 2),
-        ("CPU seconds stolen by the hypervisor meanwhile", "steal_seconds", 1),
+        ("cores other processes kept busy (quiet: 0)", "others_cores", 2),
+        ("CPU seconds the hypervisor stole", "steal_seconds", 1),
     ]
     rows = [[label, _count(arms["control"].get(key), d), _count(arms["compressed"].get(key), d)] for label, key, d in lines]
     ratio = report["resources"]["device_seconds_ratio"]
