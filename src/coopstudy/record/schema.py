@@ -350,7 +350,7 @@ M_OTHERS_CORES = "machine/others_cores"
 """On train arm runs and bench arms runs: the cores that processes other than the arm's own kept busy on
 rank 0's host while the arm's processes ran, on average (their CPU seconds / complete seconds, from
 /proc/stat less the arm's and the stage's own): about 0 on a quiet machine; above it, the arm's timings are
-a loaded machine's."""
+a loaded machine's. Not on a run whose ranks the DeepSpeed runner started over ssh (--hostfile)."""
 M_STEAL_SECONDS = "machine/steal_seconds"
 """On train arm runs and bench arms runs: CPU seconds the hypervisor gave other machines while the arm's
 processes ran on rank 0's host (/proc/stat's steal): time the arm waited for cores it had."""

@@ -169,6 +169,8 @@ def train_arm(
     """Launch the arm's processes into run `rec`, time them from outside, and
     confirm they left a verified checkpoint."""
     workers = cfg.arm(arm).workers
+    # Ranks started over ssh are no children of this stage, and may not run on its host.
+    on_this_host = nodes is not None or hostfile is None or arm != "compressed"
     if nodes is not None:
         cmd = launch.command(
             cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
@@ -188,9 +190,9 @@ def train_arm(
             schema.M_DEVICE_SECONDS: device_seconds,
             schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
         }
-        | launch.machine_metrics(done)
+        | (launch.machine_metrics(done) if on_this_host else {})
     )
-    loaded = launch.loaded_said(f"train {arm}", done)
+    loaded = launch.loaded_said(f"train {arm}", done) if on_this_host else None
     if loaded:
         print(f"warning: {loaded}", file=sys.stderr, flush=True)
     if done.returncode != 0:
