@@ -66,6 +66,7 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         assert len(seconds) == cfg.probe.updates and all(s > 0 for s in seconds)
         assert receipt["median_update_seconds"] == statistics.median(seconds)
         assert run.data.metrics[schema.M_PROBE_MEDIAN_SECONDS] == pytest.approx(receipt["median_update_seconds"])
+        assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= run.data.metrics.keys()  # how quiet the host was
         assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, schema.M_LOSS)) == cfg.probe.updates
         assert receipt["complete_seconds"] > sum(seconds)
         # Memory of every rank, under the preset's capacity; CPU figures only.

@@ -347,12 +347,12 @@ M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
 M_COST_USD = "cost/spent_usd"
 """On train arm and probe candidate runs, failed ones too: device seconds / 3600 x budget.hourly_price_usd, USD."""
 M_OTHERS_CORES = "machine/others_cores"
-"""On train arm runs and bench arms runs: the cores that processes other than the arm's own kept busy on
+"""On train arm, probe candidate and bench arms runs: the cores that processes other than the arm's own kept busy on
 rank 0's host while the arm's processes ran, on average (their CPU seconds / complete seconds, from
 /proc/stat less the arm's and the stage's own): about 0 on a quiet machine; above it, the arm's timings are
 a loaded machine's. Not on a run whose ranks the DeepSpeed runner started over ssh (--hostfile)."""
 M_STEAL_SECONDS = "machine/steal_seconds"
-"""On train arm runs and bench arms runs: CPU seconds the hypervisor gave other machines while the arm's
+"""On train arm, probe candidate and bench arms runs: CPU seconds the hypervisor gave other machines while the arm's
 processes ran on rank 0's host (/proc/stat's steal): time the arm waited for cores it had."""
 TAG_CHECKPOINT_SHA = "coopstudy.checkpoint_sha256"
 """On a train arm run: sha256 of the final checkpoint's model.safetensors; on

@@ -414,9 +414,12 @@ def _raise_waiting() -> None:
         _on_stop_signal(signum, None)
 
 
-def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None) -> Exit:
+def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None, over_ssh: bool = False) -> Exit:
     """Start `cmd`, wait for it, and time it from the outside. `held` (a
-    run.lock.Held) records the launch's process group while it runs."""
+    run.lock.Held) records the launch's process group while it runs. With
+    `over_ssh` (the DeepSpeed runner starting ranks on a hostfile's hosts) the
+    ranks are no children of this process, nor perhaps on its host: how busy
+    other processes kept the host is not measured."""
     with stopping():
         cpu_at_start = machine.CpuTimes.now()
         start = time.perf_counter()
@@ -450,7 +453,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
                 held.note()
         complete = time.perf_counter() - start
         cpu = machine.CpuTimes.now()
-        others, steal = cpu.others_since(cpu_at_start) if cpu and cpu_at_start else (None, None)
+        others, steal = cpu.others_since(cpu_at_start) if cpu and cpu_at_start and not over_ssh else (None, None)
         return Exit(returncode, complete, workers, others, steal)
 
 

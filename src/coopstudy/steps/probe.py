@@ -124,7 +124,8 @@ def _run_candidate(
                 hostfile=hostfile if cand.arm == "compressed" else None,
                 allocator=cand.allocator, updates=cfg.probe.updates, checkpoint=False, probe=True, capacity_mb=capacity,
             )
-            done = launch.run(cmd, launch.worker_environment(cand_cfg, rec.run_id, allocator=cand.allocator), workers)
+            over_ssh = hostfile is not None and cand.arm == "compressed"
+            done = launch.run(cmd, launch.worker_environment(cand_cfg, rec.run_id, allocator=cand.allocator), workers, over_ssh=over_ssh)
             launched = receipts.Launched(done.returncode, done.complete_seconds, launch.exit_reason(done.returncode, launcher=workers > 1))
             receipt = receipts.probe_receipt(
                 arm=cand.arm, microbatch=cand.microbatch, allocator=cand.allocator, workers=workers,
@@ -143,12 +144,15 @@ def _run_candidate(
                 schema.M_COMPLETE_SECONDS: receipt["complete_seconds"],
                 schema.M_DEVICE_SECONDS: receipt["device_seconds"],
                 schema.M_COST_USD: receipt["cost_usd"],
-            }
+            } | launch.machine_metrics(done)
             if receipt["median_update_seconds"] is not None:
                 metrics[schema.M_PROBE_MEDIAN_SECONDS] = receipt["median_update_seconds"]
             rec.log_metrics(metrics)
             shown = receipt["outcome"] if receipt["message"] is None else f"{receipt['outcome']}: {receipt['message']}"
             console.print(f"probe {name}: {shown} (receipt {path.name}, run {rec.run_id})", highlight=False)
+            loaded = launch.loaded_said(f"probe {name}", done)
+            if loaded:
+                console.print(f"warning: {loaded}", highlight=False)
             if receipt["outcome"] != schema.OUTCOME_COMPLETED:
                 raise CandidateFailed(f"{name}: {shown}")
     except CandidateFailed:

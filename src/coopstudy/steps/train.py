@@ -169,8 +169,6 @@ def train_arm(
     """Launch the arm's processes into run `rec`, time them from outside, and
     confirm they left a verified checkpoint."""
     workers = cfg.arm(arm).workers
-    # Ranks started over ssh are no children of this stage, and may not run on its host.
-    on_this_host = nodes is not None or hostfile is None or arm != "compressed"
     if nodes is not None:
         cmd = launch.command(
             cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
@@ -181,7 +179,8 @@ def train_arm(
         cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == "compressed" else None)
         how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
     print(f"train {arm}: {how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
-    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
+    over_ssh = nodes is None and hostfile is not None and arm == "compressed"
+    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held, over_ssh=over_ssh)
     device_seconds = workers * done.complete_seconds
     # A failed attempt spent its device time too: recorded either way.
     rec.log_metrics(
@@ -190,9 +189,9 @@ def train_arm(
             schema.M_DEVICE_SECONDS: device_seconds,
             schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
         }
-        | (launch.machine_metrics(done) if on_this_host else {})
+        | launch.machine_metrics(done)
     )
-    loaded = launch.loaded_said(f"train {arm}", done) if on_this_host else None
+    loaded = launch.loaded_said(f"train {arm}", done)
     if loaded:
         print(f"warning: {loaded}", file=sys.stderr, flush=True)
     if done.returncode != 0:
