@@ -190,20 +190,23 @@ def training(cfg: Config) -> tuple[str, dict[str, str]]:
     return sha, tags | {schema.TAG_PLAN: sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: sha}
 
 
+def _selected(plan_sha: str, book: ledger.Ledger) -> dict[str, ledger.Entry]:
+    """Arm -> the plan's candidate entry; a selection is made once, and should
+    the ledger hold more, the first counts."""
+    entries: dict[str, ledger.Entry] = {}
+    for e in candidates.committed(plan_sha, book):
+        entries.setdefault(e.details.get("arm"), e)
+    return entries
+
+
 def selected_train_runs(plan_sha: str) -> dict[str, str]:
     """Arm -> the train run whose checkpoint the plan's selection took (empty before select)."""
-    selected: dict[str, str] = {}
-    for e in candidates.committed(plan_sha, ledger.Ledger()):
-        selected.setdefault(e.details["arm"], e.details["train_run_id"])  # the first counts, as in `selection`
-    return selected
+    return {arm: e.details["train_run_id"] for arm, e in _selected(plan_sha, ledger.Ledger()).items()}
 
 
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:
     """The committed candidates, after checking that their weights on disk still hash to them."""
-    entries = {}
-    for e in candidates.committed(plan_sha, book):
-        # A selection is made once; should the ledger hold more, the first counts.
-        entries.setdefault(e.details.get("arm"), e)
+    entries = _selected(plan_sha, book)
     missing = [arm for arm in ARMS if arm not in entries]
     if missing:
         raise RefusedError(
