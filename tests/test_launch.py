@@ -6,6 +6,7 @@ Each refusal is one line, exit 2, and a FAILED train run on record.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import signal
@@ -67,17 +68,22 @@ def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, 
     assert line.startswith(f"coopstudy {argv[0]}: error: device ") and f"in use by job pid {os.getpid()} (a training job in this test" in line
 
 
-def test_a_launch_says_how_busy_other_processes_kept_the_host():
+def test_a_launch_says_how_busy_other_processes_kept_the_host(capsys):
     # The launched process sleeps; a busy loop it did not start takes about a core.
+    sleep = launch.Command([sys.executable, "-c", "import time; time.sleep(3)"], "1 process")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        done = launch.run([sys.executable, "-c", "import time; time.sleep(3)"], os.environ, 1)
+        done = launch.run(sleep, os.environ, label="train control")
+        over_ssh = launch.run(dataclasses.replace(sleep, over_ssh=True), os.environ, label="train compressed")
     finally:
         busy.kill()
         busy.wait()
     assert done.returncode == 0
     assert launch.machine_metrics(done)[schema.M_OTHERS_CORES] > 0.4
-    assert launch.loaded_said("train control", done).startswith("train control: other processes kept ")
+    # Ranks started over ssh may run elsewhere: what this host did meanwhile says nothing of them.
+    assert launch.machine_metrics(over_ssh) == {}
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: train control: other processes kept ") and f"({schema.M_OTHERS_CORES})" in line
 
 
 def test_the_lock_is_free_again_after_the_holder_ends():
@@ -96,7 +102,7 @@ def _world_info(cmd: list[str]) -> dict:
 def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = config.load("tiny")
-    one_host = launch.command(cfg, "compressed", "RUN")
+    one_host = launch.command(cfg, "compressed", "RUN").argv
     # DeepSpeed's per-node launcher, given this host's two devices as the runner would.
     assert one_host[1:4] == ["-u", "-m", "coopstudy.run.one_host_launcher"]
     assert _world_info(one_host) == {"localhost": [0, 1]}
@@ -104,11 +110,13 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     assert one_host[one_host.index("--run-id") + 1] == "RUN"
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("host-a slots=1\nhost-b slots=1\n")
-    two_hosts = launch.command(cfg, "compressed", "RUN", hostfile=hostfile)
+    over_ssh = launch.command(cfg, "compressed", "RUN", hostfile=hostfile)
+    assert over_ssh.over_ssh and not launch.command(cfg, "compressed", "RUN").over_ssh
+    two_hosts = over_ssh.argv
     assert two_hosts[two_hosts.index("--hostfile") + 1] == str(hostfile)
     assert two_hosts[two_hosts.index("--num_nodes") + 1] == "2"
     assert two_hosts[two_hosts.index("--num_gpus") + 1] == "1"
-    control = launch.command(cfg, "control", "RUN")
+    control = launch.command(cfg, "control", "RUN").argv
     assert control[1:4] == ["-m", "coopstudy", "worker"] and "deepspeed" not in " ".join(control)
 
 
@@ -117,7 +125,7 @@ def test_the_compressed_arm_keeps_the_gpus_this_job_was_given(monkeypatch):
     cfg = config.load("tiny")
     for visible, given in [("3,1,0", [3, 1]), ("GPU-5f1c,GPU-77ab,GPU-0e2d", ["GPU-5f1c", "GPU-77ab"])]:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        assert _world_info(launch.command(cfg, "compressed", "RUN")) == {"localhost": given}
+        assert _world_info(launch.command(cfg, "compressed", "RUN").argv) == {"localhost": given}
 
 
 def test_worker_environment_sets_threads_allocator_and_run_id(monkeypatch):
@@ -152,7 +160,9 @@ def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypa
     cfg = config.load("tiny")
     hostfile = launch.node_hostfile(2, 1)
     assert hostfile.read_text() == "node0 slots=1\nnode1 slots=1\n"
-    cmd = launch.command(cfg, "compressed", "RUN", hostfile=hostfile, nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    node = launch.command(cfg, "compressed", "RUN", hostfile=hostfile, nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    assert not node.over_ssh and node.how == "node 1 of 2 (1 of 2 ranks), rendezvous 10.0.0.1:29600"
+    cmd = node.argv
     assert Path(cmd[0]).name == "deepspeed" and "--no_ssh" in cmd
     flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}
     assert (flags["--node_rank"], flags["--master_addr"], flags["--master_port"]) == ("1", "10.0.0.1", "29600")
@@ -264,7 +274,7 @@ def test_a_stop_that_comes_while_the_launch_starts_stops_what_it_started(monkeyp
     monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signalled)
     try:
         with pytest.raises(launch.Terminated, match="^stopped by SIGTERM"):
-            launch.run([sys.executable, "-c", "import time; time.sleep(60)"], os.environ, 1)
+            launch.run(launch.Command([sys.executable, "-c", "import time; time.sleep(60)"], "1 process"), os.environ, label="a sleep")
         (proc,) = started
         assert proc.poll() is not None, "the launched process outlived the stop"
     finally:

@@ -250,7 +250,7 @@ def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
     cfg = config.load("tiny")
     run_id = _client().create_run(store.experiment_id("coopstudy")).info.run_id
     cmd = launch.command(cfg, "control", run_id, updates=2, checkpoint=False)
-    done = launch.run(cmd, launch.worker_environment(cfg, run_id), workers=1)
+    done = launch.run(cmd, launch.worker_environment(cfg, run_id), label="probe")
     assert done.returncode == 0 and done.complete_seconds > 0
     run = _client().get_run(run_id)
     assert _history(run, schema.M_LOSS) and len(_history(run, schema.M_LOSS)) == 2

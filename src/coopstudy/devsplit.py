@@ -88,9 +88,13 @@ def _dev_config(cfg: Config, families: list[str] | None, dev_seed: int) -> Confi
     raw["data"]["test_seed"] = dev_seed
     if families:
         raw["data"]["families"] = families
-        # Options of a family not tried have nothing to apply to.
-        raw["data"]["family_options"] = {f: o for f, o in raw["data"]["family_options"].items() if f in families}
+        raw["data"]["family_options"] = _options_of(cfg, families)
     return config.from_dict(raw)
+
+
+def _options_of(cfg: Config, families: list[str]) -> dict[str, dict]:
+    # Options of a family not tried have nothing to apply to.
+    return {f: dict(o) for f, o in cfg.data.family_options.items() if f in families}
 
 
 def _train(cfg: Config, prepared: data.Prepared, seed_path, lr: float, updates: int) -> Any:
@@ -163,15 +167,14 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         raise UserError(f"--lrs: {', '.join(f'{lr:g}' for lr in twice)} listed twice")
     if args.dev_seed < 0:
         raise UserError(f"--dev-seed: {args.dev_seed} is negative (reasoning-gym would take its absolute value)")
-    if args.families:
-        tasks.check_families(args.families, "--families")
+    # Checked before the development config is built, which would name a bad family's key data.families.
+    families = args.families or list(cfg.data.families)
+    tasks.check_families(families, "--families" if args.families else "data.families", _options_of(cfg, families))
     dev = _dev_config(cfg, args.families, args.dev_seed)
-    tasks.check_families(dev.data.families, "--families" if args.families else "data.families", dev.data.family_options)
     tasks.check_development_seed(cfg.data, dev.data.families, args.dev_seed)
     updates = args.updates if args.updates is not None else dev.train.updates
     if not 1 <= updates <= dev.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")
-    families = list(dev.data.families)
     console = ui.console(120)
     holder = f"coopstudy dev-split --preset {cfg.preset_argument}"
     with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_DEV_SPLIT, dev, run_name=f"dev-split-{cfg.preset}") as rec:

@@ -82,16 +82,12 @@ def _run_arm(cfg: Config, arm: str, updates: int, held, console: Console) -> tup
     with writer.stage_run(schema.STAGE_BENCH, cfg, arm=arm, run_name=f"bench-arms-{arm}-{cfg.preset}", log_config=False) as rec:
         held.note(run_id=rec.run_id)
         cmd = launch.command(cfg, arm, rec.run_id, updates=updates, checkpoint=False)
-        how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
-        console.print(f"bench arms: {arm}, {how}, {updates} updates, run {rec.run_id}")
-        done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held)
+        console.print(f"bench arms: {arm}, {cmd.how}, {updates} updates, run {rec.run_id}")
+        done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"bench arms: {arm}", held=held)
         rec.log_metrics(
             {schema.M_COMPLETE_SECONDS: done.complete_seconds, schema.M_DEVICE_SECONDS: workers * done.complete_seconds}
             | launch.machine_metrics(done)
         )
-        loaded = launch.loaded_said(f"bench arms: {arm}", done)
-        if loaded:
-            console.print(f"warning: {loaded}")
         if done.returncode != 0:
             raise UserError(f"bench arms: {launch.failure(rec.run_id, arm, workers, done.returncode)}")
         client = store.client()

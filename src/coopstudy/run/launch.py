@@ -62,13 +62,24 @@ class Exit:
     returncode: int
     complete_seconds: float
     """First process start to last process exit."""
-    workers: int
     others_cpu_seconds: float | None = None
     """CPU seconds that processes other than the launched ones (and this
     stage) took on this host meanwhile: a quiet machine's is near 0. None
     without procfs."""
     steal_seconds: float | None = None
     """CPU seconds the hypervisor gave other machines meanwhile."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """An arm's command line, as `command` chose its launcher."""
+
+    argv: list[str]
+    how: str
+    """What it starts, in words: "1 process", "2 ranks via the DeepSpeed launcher", ..."""
+    over_ssh: bool = False
+    """The DeepSpeed runner starts the ranks on a hostfile's hosts over ssh:
+    they are no children of this process, nor perhaps on its host."""
 
 
 def _visible_gpus() -> list[str]:
@@ -189,7 +200,7 @@ def command(
     node_rank: int = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
-) -> list[str]:
+) -> Command:
     """The arm's command line. With `nodes` (and a hostfile naming them, the
     master's address and port): node `node_rank` of a job started by hand
     on each host, without ssh."""
@@ -206,7 +217,7 @@ def command(
         if capacity_mb is not None:
             worker_args += ["--capacity-mb", str(capacity_mb)]
     if workers == 1:
-        return [sys.executable, "-m", "coopstudy", "worker", *worker_args]
+        return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process")
     # --no_local_rank: LOCAL_RANK is in every rank's environment; the argument would come before the command.
     if nodes is not None:
         if hostfile is None or master_addr is None or master_port is None:
@@ -216,14 +227,16 @@ def command(
             "--master_port", str(master_port), "--hostfile", str(hostfile), "--num_nodes", str(nodes),
             "--num_gpus", str(workers // nodes), "--log_level", "warning", "--no_local_rank",
         ]  # fmt: skip
-        return [*launcher, "--module", "coopstudy", "worker", *worker_args]
+        how = f"node {node_rank} of {nodes} ({workers // nodes} of {workers} ranks), rendezvous {master_addr}:{master_port}"
+        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how)
     port = str(workspace.free_port())
     if hostfile is not None:
         # One rank per host, as many hosts as workers, from the hostfile
         # (`host slots=1` lines); DeepSpeed reaches them with pdsh over ssh.
         launcher = [_deepspeed(), "--master_port", port, "--log_level", "warning", "--no_local_rank"]
         launcher += ["--hostfile", str(hostfile), "--num_nodes", str(workers), "--num_gpus", "1"]
-        return [*launcher, "--module", "coopstudy", "worker", *worker_args]
+        how = f"{workers} ranks on the hostfile's hosts via the DeepSpeed runner over ssh"
+        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how, over_ssh=True)
     # The devices this job was given (CUDA_VISIBLE_DEVICES kept), as the
     # runner's --include would name them; on CPU, device ids 0..n-1.
     devices = _visible_gpus()[:workers] if machine.cuda_available() else [str(i) for i in range(workers)]
@@ -235,7 +248,7 @@ def command(
         sys.executable, "-u", "-m", one_host_launcher.__name__, f"--world_info={_world_info(devices)}",
         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
     ]  # fmt: skip
-    return [*launcher, "--module", "coopstudy", "worker", *worker_args]
+    return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], f"{workers} ranks via the DeepSpeed launcher")
 
 
 def _world_info(devices: list[str]) -> str:
@@ -414,12 +427,11 @@ def _raise_waiting() -> None:
         _on_stop_signal(signum, None)
 
 
-def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = None, over_ssh: bool = False) -> Exit:
-    """Start `cmd`, wait for it, and time it from the outside. `held` (a
-    run.lock.Held) records the launch's process group while it runs. With
-    `over_ssh` (the DeepSpeed runner starting ranks on a hostfile's hosts) the
-    ranks are no children of this process, nor perhaps on its host: how busy
-    other processes kept the host is not measured."""
+def run(cmd: Command, env: Mapping[str, str], *, label: str, held: Any = None) -> Exit:
+    """Start `cmd`, wait for it, and time it from the outside; warn, as
+    `label`, when other processes kept the host busy meanwhile (not measured
+    for ranks started over ssh). `held` (a run.lock.Held) records the
+    launch's process group while it runs."""
     with stopping():
         cpu_at_start = machine.CpuTimes.now()
         start = time.perf_counter()
@@ -431,7 +443,7 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
         # running with nothing to stop it.
         _Stop.starting = True
         try:
-            proc = subprocess.Popen(cmd, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
+            proc = subprocess.Popen(cmd.argv, env=dict(env), cwd=workspace.project_root(), start_new_session=True)
         except BaseException:
             _raise_waiting()
             raise
@@ -453,8 +465,12 @@ def run(cmd: list[str], env: Mapping[str, str], workers: int, *, held: Any = Non
                 held.note()
         complete = time.perf_counter() - start
         cpu = machine.CpuTimes.now()
-        others, steal = cpu.others_since(cpu_at_start) if cpu and cpu_at_start and not over_ssh else (None, None)
-        return Exit(returncode, complete, workers, others, steal)
+        others, steal = cpu.others_since(cpu_at_start) if cpu and cpu_at_start and not cmd.over_ssh else (None, None)
+    done = Exit(returncode, complete, others, steal)
+    loaded = _loaded_said(label, done)
+    if loaded:
+        print(f"warning: {loaded}", file=sys.stderr, flush=True)
+    return done
 
 
 LOADED_CORES = 0.25
@@ -469,14 +485,14 @@ def machine_metrics(done: Exit) -> dict[str, float]:
     return {schema.M_OTHERS_CORES: done.others_cpu_seconds / done.complete_seconds, schema.M_STEAL_SECONDS: done.steal_seconds}
 
 
-def loaded_said(arm: str, done: Exit) -> str | None:
+def _loaded_said(label: str, done: Exit) -> str | None:
     """A line for a launch that ran on a loaded host, or None."""
     metrics = machine_metrics(done)
     cores = metrics.get(schema.M_OTHERS_CORES, 0.0)
     if cores < LOADED_CORES:
         return None
     return (
-        f"{arm}: other processes kept {cores:.2f} cores busy on average while it ran "
+        f"{label}: other processes kept {cores:.2f} cores busy on average while it ran "
         f"({schema.M_OTHERS_CORES}): its timings are a loaded machine's"
     )
 

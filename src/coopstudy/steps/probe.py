@@ -124,8 +124,7 @@ def _run_candidate(
                 hostfile=hostfile if cand.arm == "compressed" else None,
                 allocator=cand.allocator, updates=cfg.probe.updates, checkpoint=False, probe=True, capacity_mb=capacity,
             )
-            over_ssh = hostfile is not None and cand.arm == "compressed"
-            done = launch.run(cmd, launch.worker_environment(cand_cfg, rec.run_id, allocator=cand.allocator), workers, over_ssh=over_ssh)
+            done = launch.run(cmd, launch.worker_environment(cand_cfg, rec.run_id, allocator=cand.allocator), label=f"probe {name}")
             launched = receipts.Launched(done.returncode, done.complete_seconds, launch.exit_reason(done.returncode, launcher=workers > 1))
             receipt = receipts.probe_receipt(
                 arm=cand.arm, microbatch=cand.microbatch, allocator=cand.allocator, workers=workers,
@@ -150,9 +149,6 @@ def _run_candidate(
             rec.log_metrics(metrics)
             shown = receipt["outcome"] if receipt["message"] is None else f"{receipt['outcome']}: {receipt['message']}"
             console.print(f"probe {name}: {shown} (receipt {path.name}, run {rec.run_id})", highlight=False)
-            loaded = launch.loaded_said(f"probe {name}", done)
-            if loaded:
-                console.print(f"warning: {loaded}", highlight=False)
             if receipt["outcome"] != schema.OUTCOME_COMPLETED:
                 raise CandidateFailed(f"{name}: {shown}")
     except CandidateFailed:

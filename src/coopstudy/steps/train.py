@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,13 +173,10 @@ def train_arm(
             cfg, arm, rec.run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=0,
             master_addr=nodes.master_addr, master_port=nodes.master_port,
         )  # fmt: skip
-        how = f"node 0 of {nodes.count} ({workers // nodes.count} of {workers} ranks), rendezvous {nodes.master_addr}:{nodes.master_port}"
     else:
         cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == "compressed" else None)
-        how = "1 process" if workers == 1 else f"{workers} ranks via the DeepSpeed launcher"
-    print(f"train {arm}: {how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
-    over_ssh = nodes is None and hostfile is not None and arm == "compressed"
-    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), workers, held=held, over_ssh=over_ssh)
+    print(f"train {arm}: {cmd.how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
+    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"train {arm}", held=held)
     device_seconds = workers * done.complete_seconds
     # A failed attempt spent its device time too: recorded either way.
     rec.log_metrics(
@@ -191,9 +187,6 @@ def train_arm(
         }
         | launch.machine_metrics(done)
     )
-    loaded = launch.loaded_said(f"train {arm}", done)
-    if loaded:
-        print(f"warning: {loaded}", file=sys.stderr, flush=True)
     if done.returncode != 0:
         raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode, here=workers // nodes.count if nodes else None))
 
@@ -304,7 +297,7 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
                 flush=True,
             )
             launched = True
-            done = launch.run(cmd, launch.worker_environment(cfg, run_id), per_node, held=held)
+            done = launch.run(cmd, launch.worker_environment(cfg, run_id), label=f"train compressed, node {nodes.rank}", held=held)
         if done.returncode != 0:
             raise TrainingFailed(
                 f"compressed arm, node {nodes.rank} failed ({launch.exit_reason(done.returncode, launcher=True)}); "
