@@ -161,7 +161,7 @@ def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypa
     hostfile = launch.node_hostfile(2, 1)
     assert hostfile.read_text() == "node0 slots=1\nnode1 slots=1\n"
     node = launch.command(cfg, "compressed", "RUN", hostfile=hostfile, nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
-    assert not node.over_ssh and node.how == "node 1 of 2 (1 of 2 ranks), rendezvous 10.0.0.1:29600"
+    assert not node.over_ssh and node.how == "node 1 of 2 (ranks 1-1 of 2), rendezvous 10.0.0.1:29600"
     cmd = node.argv
     assert Path(cmd[0]).name == "deepspeed" and "--no_ssh" in cmd
     flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}

@@ -199,7 +199,7 @@ def test_compressed_arm_started_node_by_node_is_the_record_selected_and_evaluate
                 p.wait()
     said = {n: log.read_text()[-3000:] for n, log in enumerate(logs)}
     assert codes == [0, 0], said
-    assert f"train compressed: node 1 of 2 (ranks 1-1), rendezvous {ADDRESSES[0]}:{port}, run {run_id}" in said[1]
+    assert f"train compressed: node 1 of 2 (ranks 1-1 of 2), rendezvous {ADDRESSES[0]}:{port}, run {run_id}" in said[1]
     assert f"train compressed: node 1 finished; node 0 ends run {run_id}" in said[1]
 
     run = client.get_run(run_id)

@@ -227,7 +227,9 @@ def command(
             "--master_port", str(master_port), "--hostfile", str(hostfile), "--num_nodes", str(nodes),
             "--num_gpus", str(workers // nodes), "--log_level", "warning", "--no_local_rank",
         ]  # fmt: skip
-        how = f"node {node_rank} of {nodes} ({workers // nodes} of {workers} ranks), rendezvous {master_addr}:{master_port}"
+        per_node = workers // nodes
+        first, last = node_rank * per_node, (node_rank + 1) * per_node - 1
+        how = f"node {node_rank} of {nodes} (ranks {first}-{last} of {workers}), rendezvous {master_addr}:{master_port}"
         return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how)
     port = str(workspace.free_port())
     if hostfile is not None:

@@ -291,11 +291,7 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
                 cfg, "compressed", run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=nodes.rank,
                 master_addr=nodes.master_addr, master_port=nodes.master_port,
             )  # fmt: skip
-            print(
-                f"train compressed: node {nodes.rank} of {nodes.count} (ranks {ranks[0]}-{ranks[-1]}), "
-                f"rendezvous {nodes.master_addr}:{nodes.master_port}, run {run_id}",
-                flush=True,
-            )
+            print(f"train compressed: {cmd.how}, run {run_id}", flush=True)
             launched = True
             done = launch.run(cmd, launch.worker_environment(cfg, run_id), label=f"train compressed, node {nodes.rank}", held=held)
         if done.returncode != 0:
