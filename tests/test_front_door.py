@@ -114,6 +114,10 @@ def test_a_relative_sqlite_uri_is_one_store_for_a_step_and_the_ranks_it_starts(t
     (trained,) = [r for r in _runs(client, "coopstudy") if r.data.tags.get(schema.TAG_STAGE) == schema.STAGE_TRAIN]
     assert trained.info.status == "FINISHED"
     assert len(client.get_metric_history(trained.info.run_id, schema.M_LOSS)) == config.load("tiny").train.updates
+    # analysis/ is not installed with the package: a tool that reads the record with it finds it from below the root too.
+    benched = run_cli("bench", "arms", "--preset", "tiny", "--arm", "control", "--updates", "1", env=env, cwd=below)
+    assert benched.returncode == 0, benched.stderr[-3000:]
+    assert "bench arms: control, 1 process, 1 updates" in benched.stdout, benched.stdout[-3000:]
 
 
 def test_no_entry_point_parameter_is_also_a_config_param():

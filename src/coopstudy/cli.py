@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
-import importlib
+import importlib.util
 import json
 import os
 import re
@@ -316,6 +316,16 @@ def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> in
             return int(module.run(cfg, args) or 0)
 
 
+def _make_analysis_importable() -> None:
+    # analysis/ (report, dev-split and bench arms read the record with it) sits
+    # beside src/ and is not installed with the package: from the project root
+    # it is found already, from a folder below it through the root.
+    if importlib.util.find_spec("analysis") is None:
+        from coopstudy import workspace
+
+        sys.path.append(str(workspace.project_root()))
+
+
 def entry(argv: list[str] | None = None) -> None:
     # One device is `threads_per_device` cores; stages set torch's thread count
     # from the config, and this keeps library pools from oversubscribing first.
@@ -323,6 +333,7 @@ def entry(argv: list[str] | None = None) -> None:
     # MLflow 3 fetches a telemetry config and posts usage from a thread of every
     # process; a study sends nothing anywhere but its own record unless asked to.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    _make_analysis_importable()
     code = main(argv)
     # Python's exit would search every object torch and transformers made for
     # cycles: 1.0-1.2 s of every process that imported them (a rank, a stage

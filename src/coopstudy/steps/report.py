@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha, whole or its first 12 or more digits, "
         "with the study's --preset and --set (default: this config's runs)")
     parser.add_argument("--out", metavar="DIR", help="folder for the report files (default: <home>/reports/<plan|config>-<sha>/)")
-
-
-def _make_analysis_importable() -> None:
-    # analysis/ sits beside src/ and is not installed with the package: run
-    # from the project root it is found already, from anywhere else through
-    # the root, which this editable package knows.
-    if importlib.util.find_spec("analysis") is None:
-        sys.path.append(str(workspace.project_root()))
 
 
 def _key_metrics(screens: list[Screen]) -> dict[str, float]:
@@ -124,7 +114,6 @@ def _make_folder(folder: Path) -> None:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    _make_analysis_importable()
     from analysis import records as records_mod
     from analysis import report as rep
     from analysis import screens as sc
