@@ -91,23 +91,20 @@ def test_total_weight_counts_targets_only():
     assert batching.total_weight(docs, [0, 1]) == 9.0
 
 
-def test_padding_efficiency_packed_is_one_and_padded_is_what_padding_would_cost():
+def test_padding_efficiency_is_what_padding_would_cost():
     # Alternating long and short documents: unsorted microbatches of 2 pair a
     # long with a short one; sorted, equal lengths share a microbatch.
     lengths = [100, 10, 100, 10, 100, 10, 100, 10]
     schedule = [[0, 1, 2, 3, 4, 5, 6, 7]]
-    for sort in (True, False):
-        packed = batching.padding_efficiency(lengths, schedule, 1, 2, sort=sort)
-        assert packed.real_tokens == packed.computed_tokens == 440 and packed.ratio == 1.0
-    unsorted = batching.padding_efficiency(lengths, schedule, 1, 2, sort=False, packed=False)
-    sorted_ = batching.padding_efficiency(lengths, schedule, 1, 2, packed=False)
+    unsorted = batching.padding_efficiency(lengths, schedule, 1, 2, sort=False)
+    sorted_ = batching.padding_efficiency(lengths, schedule, 1, 2)
     assert unsorted.real_tokens == sorted_.real_tokens == 440
     assert unsorted.computed_tokens == 800 and unsorted.ratio == pytest.approx(0.55)
     assert sorted_.computed_tokens == 440 and sorted_.ratio == 1.0
     # Two workers: each sorts only its own half.
-    two = batching.padding_efficiency([100, 100, 10, 10, 100, 10, 100, 10], schedule, 2, 2, packed=False)
+    two = batching.padding_efficiency([100, 100, 10, 10, 100, 10, 100, 10], schedule, 2, 2)
     assert two.computed_tokens == 20 + 200 + 20 + 200
     # A partial microbatch: 3 + 1 documents. Shortest first pads three short
     # documents to 50 and leaves the longest alone (3*50 + 192).
-    partial = batching.padding_efficiency([192, 50, 40, 30], [[0, 1, 2, 3]], 1, 3, packed=False)
+    partial = batching.padding_efficiency([192, 50, 40, 30], [[0, 1, 2, 3]], 1, 3)
     assert partial.computed_tokens == 3 * 50 + 192

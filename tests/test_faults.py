@@ -200,8 +200,8 @@ def _prepared_file(store: Store, tmp: Path) -> Tampered:
 
 def _manifest(store: Store, tmp: Path) -> Tampered:
     folder = store.home / _tiny_inputs(store).details["folder"]
-    _flip(folder / data.MANIFEST)
-    return Tampered((f"prepared inputs {folder}: {data.MANIFEST} changed since it was committed",), "run prepare again")
+    _flip(folder / schema.ART_MANIFEST)
+    return Tampered((f"prepared inputs {folder}: {schema.ART_MANIFEST} changed since it was committed",), "run prepare again")
 
 
 def _numerical_source(store: Store, tmp: Path) -> Tampered:
@@ -321,10 +321,10 @@ def _ledger_rewritten(store: Store, tmp: Path) -> Tampered:
     entry = _tiny_inputs(store)
     folder = store.home / entry.details["folder"]
     _flip(folder / data.TRAIN)
-    manifest = json.loads((folder / data.MANIFEST).read_text())
+    manifest = json.loads((folder / schema.ART_MANIFEST).read_text())
     manifest["files"][data.TRAIN]["sha256"] = workspace.sha256_file(folder / data.TRAIN)
-    (folder / data.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    forged = workspace.sha256_file(folder / data.MANIFEST)
+    (folder / schema.ART_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    forged = workspace.sha256_file(folder / schema.ART_MANIFEST)
     raws = _raw_lines(store)
     raws[entry.seq]["digest"] = forged
     _write_lines(store, raws, rechain=True)
@@ -584,6 +584,9 @@ def test_a_killed_train_stage_leaves_a_stale_lock_the_next_train_takes_saying_so
     assert ended.info.status == "KILLED"
     assert f"the job pid {stage.pid}" in ended.data.tags[schema.TAG_ERROR]
     assert "died without releasing device" in ended.data.tags[schema.TAG_ERROR]
+    assert ended.data.tags[schema.TAG_ERROR_KIND] == schema.ERROR_KIND_STALE_LOCK
+    error_txt = Path(_client(ends_store).download_artifacts(dead.info.run_id, schema.ART_ERROR, str(tmp_path)))
+    assert error_txt.read_text() == ended.data.tags[schema.TAG_ERROR]  # no traceback: the process is gone
     assert _newest(ends_store, "train-control-tiny").info.status == "FINISHED"
     _locks_free(ends_store)
     _select_refuses(ends_store, "control", dead.info.run_id, "KILLED")

@@ -23,7 +23,7 @@ from typing import Any
 
 from coopstudy import workspace
 from coopstudy.commit import require, sources
-from coopstudy.config import Config
+from coopstudy.config import ARMS, Config
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.steps import evaluate, plan, prepare, probe, report, select, train, verify
@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--arm",
-        choices=("control", "compressed", "both"),
+        choices=(*ARMS, "both"),
         default="both",
         help="with --through train: which arm to train, the steps before it included (default: both)",
     )

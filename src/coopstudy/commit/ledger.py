@@ -34,6 +34,7 @@ from typing import IO, Any
 
 from coopstudy import workspace
 from coopstudy.errors import RefusedError, UserError
+from coopstudy.record import schema
 
 GENESIS = "0" * 64
 
@@ -52,7 +53,8 @@ _RECOMMIT = {
     PLAN: "python -m coopstudy plan",
 }
 _RESTORE = (
-    "restore the ledger from a copy (every commitment is also tagged on its run: coopstudy.commitment.*, coopstudy.candidate.*), "
+    "restore the ledger from a copy (every commitment is also tagged on its run: "
+    f"{schema.TAG_COMMITMENT_PREFIX}*, {schema.TAG_CANDIDATE_PREFIX}*), "
     "or move it aside and commit again from `python -m coopstudy prepare` on"
 )
 

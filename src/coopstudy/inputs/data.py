@@ -34,9 +34,9 @@ from coopstudy.config import Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import chat, conversations, tasks
 from coopstudy.inputs.seed import Seed
+from coopstudy.record import schema
 
 TRAIN, RETENTION, TEST, SCHEDULE = "train.jsonl", "retention.jsonl", "test.jsonl", "schedule.json"
-MANIFEST = "manifest.json"
 FORMAT = 1
 
 RETENTION_MIN_GROUPS = 4
@@ -384,11 +384,11 @@ def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked, po
 
 def verify_folder(folder: Path, digest: str) -> dict[str, Any]:
     """The manifest, after checking it and every file it names against `digest`."""
-    manifest_path = folder / MANIFEST
+    manifest_path = folder / schema.ART_MANIFEST
     if not manifest_path.is_file():
-        raise RefusedError(f"prepared inputs {folder}: {MANIFEST} is missing; run prepare again")
+        raise RefusedError(f"prepared inputs {folder}: {schema.ART_MANIFEST} is missing; run prepare again")
     if workspace.sha256_file(manifest_path) != digest:
-        raise RefusedError(f"prepared inputs {folder}: {MANIFEST} changed since it was committed; run prepare again")
+        raise RefusedError(f"prepared inputs {folder}: {schema.ART_MANIFEST} changed since it was committed; run prepare again")
     manifest = json.loads(manifest_path.read_text())
     for name, info in manifest["files"].items():
         path = folder / name
@@ -424,7 +424,7 @@ def write_prepared(built: Built) -> tuple[Path, str]:
     try:
         for name, blob in built.files.items():
             (tmp / name).write_bytes(blob)
-        (tmp / MANIFEST).write_bytes(built.manifest_bytes)
+        (tmp / schema.ART_MANIFEST).write_bytes(built.manifest_bytes)
         tmp.chmod(0o755)
         if folder.exists():
             shutil.rmtree(folder)

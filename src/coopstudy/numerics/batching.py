@@ -238,19 +238,16 @@ def padding_efficiency(
     microbatch: int,
     *,
     sort: bool = True,
-    packed: bool = True,
 ) -> PaddingEfficiency:
-    """Real tokens / computed tokens over a whole schedule for one arm's shape.
-
-    packed=True is what training computes (1.0: a packed row has no padding);
-    packed=False is what right-padding each microbatch to its longest document
-    would compute, for comparison (workers' shares balanced by tokens).
-    """
+    """Real tokens / computed tokens over a whole schedule for one arm's shape,
+    were each microbatch right-padded to its longest document (workers' shares
+    balanced by tokens): what packing saves. Training packs, and computes
+    real tokens only."""
     real = computed = 0
     for row in schedule:
         for local in shares(row, lengths, world_size):
             for mb in sort_and_cut(local, lengths, microbatch, sort=sort):
                 sizes = [lengths[i] for i in mb]
                 real += sum(sizes)
-                computed += sum(sizes) if packed else len(sizes) * max(sizes)
+                computed += len(sizes) * max(sizes)
     return PaddingEfficiency(real, computed)

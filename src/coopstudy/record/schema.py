@@ -20,7 +20,7 @@ TAG_STAGE = "coopstudy.stage"
 TAG_PRESET = "coopstudy.preset"
 """On every run opened with a config: the config's `preset`, by default the preset file's name without .yaml."""
 TAG_ARM = "coopstudy.arm"
-"""On train arm runs and probe candidate runs: `control` or `compressed`."""
+"""On train arm, probe candidate and bench-arms child runs: `control` or `compressed`."""
 TAG_GIT_COMMIT = "coopstudy.git_commit"
 """On every run: the checkout's `git rev-parse HEAD`; absent outside a git checkout."""
 TAG_CONFIG_SHA = "coopstudy.config_sha256"
@@ -33,7 +33,11 @@ carry one): sha256 of the committed plan."""
 TAG_ERROR = "coopstudy.error"
 """On a FAILED or KILLED run: the error's message (first 4000 characters), or its type name if it has none."""
 TAG_ERROR_KIND = "coopstudy.error_kind"
-"""On a FAILED or KILLED run: the error's type name (`RefusedError`, `TrainingFailed`, ...)."""
+"""On a FAILED or KILLED run: the error's type name (`RefusedError`, `TrainingFailed`, ...), or
+ERROR_KIND_STALE_LOCK."""
+ERROR_KIND_STALE_LOCK = "StaleLock"
+"""coopstudy.error_kind of a run that the next job on its devices ended KILLED: the job that ran it died
+without releasing them (killed, or its machine restarted)."""
 TAG_COMMITMENT_PREFIX = "coopstudy.commitment."
 """+ ledger kind (inputs, gate, probe, plan): the digest this run committed to the ledger."""
 TAG_REQUIRES_PREFIX = "coopstudy.requires."
@@ -87,9 +91,11 @@ ART_STEP_KEYS = "step_keys.json"
 
 # --- artifacts: every run --------------------------------------------------
 ART_CONFIG = "config.yaml"
-"""On every run opened with a config: the resolved config as YAML (also logged as dotted params)."""
+"""On every run opened with a config but a bench-arms child run (its parent holds it): the resolved
+config as YAML (also logged as dotted params)."""
 ART_ERROR = "error.txt"
-"""On a FAILED or KILLED run: the error's full traceback."""
+"""On a FAILED or KILLED run: the error's full traceback (for a run that the next job ended, the
+reason it gives)."""
 
 # --- prepare ---------------------------------------------------------------
 TAG_INPUTS = "coopstudy.inputs_sha256"
@@ -195,8 +201,10 @@ M_BENCH_LOSS_REL_GAP = "bench/loss_max_rel_gap"
 """On the bench run: the largest |batched loss - reference loss| / |reference loss| over the updates,
 warm-up included."""
 M_BENCH_PADDING_PREFIX = "bench/padding_efficiency/"
-"""+ sorted|unsorted + / + arm, on the bench run: real tokens / computed (padded) tokens over the whole
-schedule, for that arm's workers and microbatch."""
+"""On the bench run, real tokens / computed tokens: + `measured`, of the benchmark's own batched
+updates (1.0: packed microbatches compute no padding); + padded_sorted|padded_unsorted + / + arm,
+what the whole schedule would compute were each of that arm's microbatches right-padded to its
+longest document (documents sorted by length first, or not): what packing saves."""
 TAG_BENCH_DOCUMENTS = "coopstudy.bench_documents"
 """On the bench run: where its documents came from (`prepared inputs <sha>`, or `synthetic (...)` and why)."""
 ART_BENCH_TABLE = "bench_objective.json"
@@ -205,8 +213,8 @@ ART_BENCH_TABLE = "bench_objective.json"
 # --- bench arms (python -m coopstudy bench arms) -----------------------------
 M_BENCH_ARMS_PREFIX = "bench/arms/"
 """+ phase (dense|compressed) + / + arm + / + part, on the bench-arms-<preset> parent run: the median over
-that phase's updates of rank 0's seconds per update; part is update, forward_backward, comm, optimizer,
-other or record (the train/ metrics of the arm's child run)."""
+that phase's updates of rank 0's seconds per update; part is update, forward_backward, comm,
+comm_arithmetic, optimizer, other, record or system (the train/ metrics of the arm's child run)."""
 M_BENCH_ARMS_RATIO_PREFIX = "bench/arms_ratio/"
 """+ phase, on the bench-arms parent run: control median update seconds / compressed median update seconds."""
 M_BENCH_ARMS_IDEAL_PREFIX = "bench/arms_ideal_ratio/"
@@ -215,20 +223,22 @@ compressed arm's median of (slowest rank's forward_backward + rank 0's optimizer
 the ratio with free gradient communication and recording."""
 M_BENCH_ARMS_SPLIT_PREFIX = "bench/arms_split_ratio/"
 """+ phase, on the bench-arms parent run: control median update seconds / the median over the phase's
-updates of (the control's forward_backward / the compressed arm's workers + the compressed arm's comm on
+updates of (the control's forward_backward x the control's workers / the compressed arm's + its comm on
 the rank that waited least + rank 0's optimizer and other seconds): the ratio if splitting the batch
 divided the forward and backward exactly, so that no rank waited, and left the rest as measured. Below a
 target, no faster forward and backward reaches it."""
 M_BENCH_MATMUL_PEAK_PREFIX = "bench/matmul_peak_gflops/"
-"""+ dtype (bf16|fp32), on the bench-arms parent run: the best single-thread matmul GFLOP/s measured in the
-run (on CUDA: the device's), before the arms ran (after them: + `/after`)."""
+"""+ dtype (bf16|fp32), on the bench-arms parent run: the best matmul GFLOP/s of one device (on CPU,
+train.threads_per_device threads: 1 in the presets) measured in the run (on CUDA: the device's), before
+the arms ran (after them: + `/after`)."""
 M_BENCH_ACHIEVED_PREFIX = "bench/achieved_gflops/"
 """+ arm, on the bench-arms parent run: training GFLOP/s per device over all timed updates (6 x matmul
 parameters x tokens, the output layer at target tokens only, plus causal attention within documents)."""
 M_BENCH_TOKENS_PER_S_PREFIX = "bench/tokens_per_second/"
 """+ arm, on the bench-arms parent run: real tokens trained per second over all timed updates (the arm's, all devices)."""
 M_BENCH_PEAK_FRACTION_PREFIX = "bench/peak_fraction/"
-"""+ arm, on the bench-arms parent run: achieved GFLOP/s per device / the matmul peak of train.precision."""
+"""+ arm, on the bench-arms parent run: achieved GFLOP/s per device / the matmul peak of train.precision
+(fp64 against the fp32 peak, which is all the bench measures)."""
 M_BENCH_NEW_MEMORY_PREFIX = "bench/new_memory_mb/"
 """+ arm, on the bench-arms parent run: train/new_memory_mb summed over the arm's updates and ranks, MiB:
 the memory its processes touched for the first time inside the training window."""
@@ -264,19 +274,19 @@ family, retention change and bound, and what the rule chose."""
 
 # --- train: per update (step = update number, from 1) -----------------------
 M_LOSS = "train/loss"
-"""On train arm and probe candidate runs: the update's global weighted loss
+"""On train arm, probe candidate and bench-arms runs: the update's global weighted loss
 L_k (the same in both arms for the same weights)."""
 M_GRAD_NORM = "train/grad_norm"
-"""On train arm and probe candidate runs: the L2 norm of the update's global gradient, before clipping."""
+"""On train arm, probe candidate and bench-arms runs: the L2 norm of the update's global gradient, before clipping."""
 M_LR = "train/lr"
-"""On train arm and probe candidate runs: the learning rate the update used (linear warmup, then constant)."""
+"""On train arm, probe candidate and bench-arms runs: the learning rate the update used (linear warmup, then constant)."""
 M_UPDATE_SECONDS = "train/update_seconds"
-"""On train arm and probe candidate runs: rank 0's wall seconds for the update, until its loss was read
+"""On train arm, probe candidate and bench-arms runs: rank 0's wall seconds for the update, until its loss was read
 off the device."""
 M_TOKENS = "train/tokens"
-"""On train arm and probe candidate runs: real (unpadded) tokens of the update's global batch."""
+"""On train arm, probe candidate and bench-arms runs: real (unpadded) tokens of the update's global batch."""
 M_BYTES = "train/bytes"
-"""On train arm and probe candidate runs: rank 0's collective payload in the update
+"""On train arm, probe candidate and bench-arms runs: rank 0's collective payload in the update
 (gradient + scalar sums), bytes; 0 in the control."""
 # --- train: time breakdown per update ---
 M_FORWARD_BACKWARD_SECONDS = "train/forward_backward_seconds"
@@ -285,7 +295,9 @@ backwards of its microbatches, less the gradient communication."""
 M_COMM_SECONDS = "train/comm_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: rank 0's seconds in the gradient comm
 hook (dense all-reduce, or PowerSGD: compression, all-reduces, decompression, error feedback), from its
-call to its future's completion, waits for the other rank included; 0 in the control."""
+call to its future's completion, waits for the other rank included; 0 in the control. On CUDA (NCCL)
+the future completes once the work is queued: the host's share, the device's time falls in
+train/forward_backward_seconds."""
 M_COMM_ARITHMETIC_SECONDS = "train/comm_arithmetic_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: the part of train/comm_seconds that
 rank 0 spent in PowerSGD's own arithmetic (error feedback, the P and Q products, orthogonalizations,
@@ -299,7 +311,8 @@ M_OTHER_SECONDS = "train/other_seconds"
 tensors), so that the parts add up to train/update_seconds."""
 M_SYSTEM_SECONDS = "train/system_seconds"
 """On train arm, probe candidate and bench-arms runs, per update: CPU seconds the operating system spent
-on rank 0's process (all its threads) during the update, across its parts rather than beside them; on
+on rank 0's process (all its threads) from zeroing the gradients to the loss and token sums across ranks,
+across the parts rather than beside them (packing the microbatches, before, is outside it); on
 CPU mostly page faults of memory new to the process (its first updates, and any later one that grows
 its heap)."""
 M_NEW_MEMORY_MB = "train/new_memory_mb"
@@ -320,30 +333,31 @@ inside the training window just before the update started (per-update metrics wa
 written at most once a minute, and after the last update, outside the window); 0 for most updates."""
 # --- train: per run ---------------------------------------------------------
 M_ACTIVE_SECONDS = "time/active_seconds"
-"""On train arm and probe candidate runs: rank 0's seconds from the first update's start to the last update's end."""
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's seconds from the first update's start to the last update's end."""
 M_COMPLETE_SECONDS = "time/complete_seconds"
-"""On train arm and probe candidate runs: seconds from launching the processes to their exit, timed by the stage."""
+"""On train arm, probe candidate and bench-arms runs: seconds from launching the processes to their exit, timed by the stage."""
 M_CHECKPOINT_SECONDS = "time/checkpoint_seconds"
 """On a train arm run: seconds to write, hash, read back and verify the final checkpoint and log it as an artifact."""
 M_DEVICE_SECONDS = "time/device_seconds"
-"""On train arm and probe candidate runs: workers x complete seconds."""
+"""On train arm, probe candidate and bench-arms runs: workers x complete seconds."""
 M_BYTES_DENSE = "bytes/dense_total"
-"""On train arm and probe candidate runs: rank 0's gradient payload over the dense updates, bytes; 0 in the control."""
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's gradient payload over the dense updates, bytes; 0 in the control."""
 M_BYTES_COMPRESSED = "bytes/compressed_total"
-"""On train arm and probe candidate runs: rank 0's gradient payload over the
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's gradient payload over the
 PowerSGD-compressed updates, bytes; 0 in the control."""
 M_BYTES_TOTAL = "bytes/total"
-"""On train arm and probe candidate runs: rank 0's whole collective payload (dense +
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's whole collective payload (dense +
 compressed + scalar sums + DDP's setup broadcast), bytes."""
 M_BYTES_SETUP = "bytes/setup"
-"""On train arm and probe candidate runs: DDP's one broadcast of parameters and buffers when it is built,
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: DDP's one broadcast of parameters and buffers when it is built,
 bytes, a part of bytes/total; rank 0 sends it and the other ranks only receive it; 0 in the control."""
 M_PEAK_RSS_MB = "memory/peak_rss_mb"
-"""On train arm and probe candidate runs: the largest peak resident set (VmHWM) over ranks, MiB."""
+"""On train arm, probe candidate and bench-arms runs: the largest peak resident set (VmHWM) over ranks, MiB
+(a failed probe candidate's from its receipt, where its ranks reported it)."""
 M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"
-"""On train arm and probe candidate runs on CUDA: torch's max_memory_allocated, the largest over ranks, MiB."""
+"""On train arm, probe candidate and bench-arms runs on CUDA: torch's max_memory_allocated, the largest over ranks, MiB."""
 M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
-"""On train arm and probe candidate runs on CUDA: torch's max_memory_reserved, the largest over ranks, MiB."""
+"""On train arm, probe candidate and bench-arms runs on CUDA: torch's max_memory_reserved, the largest over ranks, MiB."""
 M_COST_USD = "cost/spent_usd"
 """On train arm and probe candidate runs, failed ones too: device seconds / 3600 x budget.hourly_price_usd, USD."""
 M_OTHERS_CORES = "machine/others_cores"
@@ -364,10 +378,10 @@ artifact where the weights are gone."""
 ART_CHECKPOINT = "checkpoint"
 """On a train arm run: the final checkpoint's folder (model.safetensors, config, tokenizer)."""
 ART_TRAIN_SUMMARY = "train_summary.json"
-"""On train arm and probe candidate runs that finished their updates: rank 0's summary (setting, host, device, malloc,
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's summary (setting, host, device, malloc,
 phases, assignment, memory by rank, every rank's per-update times and new memory, bytes, checkpoint)."""
 TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
-"""+ rank, on train arm and probe candidate runs: `<type>: <first line>` of the error that training
+"""+ rank, on train arm, probe candidate and bench-arms runs: `<type>: <first line>` of the error that training
 process hit (the run's own error tag says what the stage saw)."""
 ART_WORKER_ERROR_PREFIX = "worker_errors/rank"
 """+ rank + .txt, on train arm and probe candidate runs: that training process's traceback."""
@@ -437,6 +451,7 @@ _KINDS = (
     ("ART_", "artifact"),
     ("STAGE_", "stage value"),
     ("OUTCOME_", "outcome value"),
+    ("ERROR_KIND_", "error kind value"),
     ("MODEL_PARAM_", "logged-model param"),
     ("MODEL_", "logged-model type"),
 )

@@ -145,7 +145,9 @@ def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
             if run.info.status != "RUNNING":
                 continue
             client.set_tag(run_id, schema.TAG_ERROR, reason[: writer.MAX_TAG_CHARS])
-            client.set_tag(run_id, schema.TAG_ERROR_KIND, "StaleLock")
+            client.set_tag(run_id, schema.TAG_ERROR_KIND, schema.ERROR_KIND_STALE_LOCK)
+            # No traceback: the process that ran it is gone.
+            client.log_text(run_id, reason, schema.ART_ERROR)
             client.set_terminated(run_id, "KILLED")
             ended.append(run_id)
     except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices

@@ -17,14 +17,14 @@ from coopstudy.record import schema, writer
 from coopstudy.run import lock
 
 HELP = "score seed, control and compressed on the final test and the retention probes"
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Scores the seed and both selected candidates on the final test (greedy
 generation, verified answers) and on the retention probes (NLL).
 
 Reads: the committed plan of this config (refused if anything it hashes
 changed), its selection (ledger entries of kind candidate), the candidates'
 checkpoints (where their weights are gone, brought back first from the train
-run's `checkpoint` artifact, which must hash to the selection), the seed model
+run's `{schema.ART_CHECKPOINT}` artifact, which must hash to the selection), the seed model
 and the prepared test and retention files.
 Holds the device as `train` does, and refuses while another job holds it.
 Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
@@ -32,11 +32,11 @@ selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty
 test set.
 Writes: an evaluate run tagged with the plan and the candidates it checked,
-and under it one child run per model (tag coopstudy.model = seed, control or compressed)
-with the same metrics (eval/accuracy, eval/accuracy/<family>,
-eval/retention_nll, generation speed) and two tables: test_cases.json (one
+and under it one child run per model (tag {schema.TAG_MODEL} = seed, control or compressed)
+with the same metrics ({schema.M_ACCURACY}, {schema.M_ACCURACY_PREFIX}<family>,
+{schema.M_RETENTION_NLL}, generation speed) and two tables: {schema.ART_TEST_TABLE} (one
 row per case: prompt, output, extracted answer, expected, verifier score,
-correct = score 1.0) and retention.json (one row per document: target tokens,
+correct = score 1.0) and {schema.ART_RETENTION_TABLE} (one row per document: target tokens,
 NLL sum, mean NLL).
 Generation is greedy with the chat template, batched (evaluate.batch_size),
 up to evaluate.max_new_tokens, stopped at the end of turn."""

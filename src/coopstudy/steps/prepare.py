@@ -82,7 +82,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         m = built.manifest
         rec.log_inputs(data.dataset_files(folder, m, data.TRAINING_FILES), context="training")
         rec.log_inputs(data.dataset_files(folder, m, data.EVALUATION_FILES), context="evaluation")
-        rec.log_artifact(folder / data.MANIFEST)
+        rec.log_artifact(folder / schema.ART_MANIFEST)
         rec.log_metrics(
             {
                 schema.M_SEED_PARAMETERS: seed.parameters,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from analysis.screens import Screen
 
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Judges the study by its pre-registered screens and writes the report.
 
 Reads, from the tracking store (a server's record is enough), the runs of one
@@ -31,9 +31,9 @@ source the study's plan binds differs from the one on disk here.
 Computes the five screens (accuracy gain, retention, non-inferiority, active and
 complete-process speedup) and the cost figures beside them.
 
-Writes report.json (every screen's estimate, bound, threshold, verdict and input
+Writes {schema.ART_REPORT_JSON} (every screen's estimate, bound, threshold, verdict and input
 run ids; the quality and speed verdicts; no timestamps, so rebuilding it from the
-same store gives the same file), report.md and report.html (with plots) to --out
+same store gives the same file), {schema.ART_REPORT_MD} and {schema.ART_REPORT_HTML} (with plots) to --out
 (default: <home>/reports/<plan|config>-<sha>/) and to this step's run, with the
 verdicts as tags and the screens as metrics; prints the screens."""
 

@@ -9,19 +9,19 @@ from coopstudy.config import Config
 from coopstudy.record import schema, writer
 
 HELP = "commit each arm's final checkpoint as its final candidate (by sha256), once per plan"
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Commits the final checkpoint of each arm's training under the plan as that
 arm's candidate, once per plan: what evaluate scores and report judges.
 
 Reads: the committed plan of this config (refused if anything it hashes
 changed), the newest FINISHED train run of each arm (control, compressed)
-under that plan (tags coopstudy.stage=train, coopstudy.arm,
-coopstudy.plan_sha256), the checkpoint sha256 and local path it recorded, and
+under that plan (tags {schema.TAG_STAGE}={schema.STAGE_TRAIN}, {schema.TAG_ARM},
+{schema.TAG_PLAN}), the checkpoint sha256 and local path it recorded, and
 the weights on disk (where they are gone, brought back first from the train
-run's `checkpoint` artifact, which must hash the same).
+run's `{schema.ART_CHECKPOINT}` artifact, which must hash the same).
 Writes: two ledger entries (kind candidate, subject <plan sha>/<arm>, the
 weights' sha256) and a select run tagged with the plan,
-coopstudy.candidate.<arm> (each hash) and coopstudy.candidate_run.<arm> (each
+{schema.TAG_CANDIDATE_PREFIX}<arm> (each hash) and {schema.TAG_CANDIDATE_RUN_PREFIX}<arm> (each
 train run id).
 Only a FINISHED train run counts: one interrupted, stopped or killed never does.
 Refuses (exit 2, a FAILED select run on record) when an arm has no finished
