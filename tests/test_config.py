@@ -80,11 +80,15 @@ def test_overrides_are_typed():
         ("screens.min_speedup=nan", "screens.min_speedup: Input should be a finite number"),
         ("distributed.collective_timeout_s=.inf", "distributed.collective_timeout_s: Input should be a finite number"),
         ("train.updates=true", "train.updates: expected a number, not a boolean"),
+        # Passed to the model, it fails inside the first forward's rotary embedding.
+        (("model.hidden_size=6", "model.num_heads=2", "model.num_kv_heads=2"), "model.hidden_size: 6 / num_heads=2 is 3 dimensions per head"),
+        # Hints load the config again as `--preset NAME`: renamed, they would load another preset.
+        ("preset=smollm2-135m-cpu", "override 'preset=smollm2-135m-cpu': a config's name is the preset it loads"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        config.load("tiny", [override])
+        config.load("tiny", [override] if isinstance(override, str) else list(override))
     message = str(err.value)
     assert key in message
     assert "\n" not in message

@@ -1162,6 +1162,8 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("MLFLOW_TRACKING_URI", "postgresql://nohost/db", "(from MLFLOW_TRACKING_URI) needs the Python module '"),
         # A home whose sub-folders cannot be made (procfs here; read-only alike).
         ("COOPSTUDY_HOME", "/proc/1", "the study's home /proc/1: cannot make /proc/1/"),
+        # A home that cannot be made at all.
+        ("COOPSTUDY_HOME", "/proc/nosuch/home", "the study's home /proc/nosuch/home: cannot be made (No such file or directory"),
         # A word with no scheme is a folder store to MLflow, which refuses it with a migration notice.
         ("MLFLOW_TRACKING_URI", "nonsense", "tracking URI 'nonsense' (from MLFLOW_TRACKING_URI) cannot be opened. It names a folder (no scheme, or file:)"),
         # Named as the user set it, not as the config key it becomes.
@@ -1189,6 +1191,16 @@ def test_a_home_that_is_a_file_is_refused_before_a_run_opens(step, tmp_path):
     # Not an empty run left FINISHED: the run's records would wait in that home.
     client = mlflow.MlflowClient()
     assert not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+@pytest.mark.parametrize("step", ["plan", "verify"])
+def test_a_folder_where_the_ledger_belongs_is_one_line_before_any_work(step, tmp_path):
+    home = tmp_path / "home"
+    (home / "ledger.jsonl").mkdir(parents=True)
+    done = run_cli(step, "--preset", "tiny", env={"COOPSTUDY_HOME": str(home)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [f"coopstudy {step}: error: {home / 'ledger.jsonl'}: Is a directory"], done.stderr[-3000:]
+    assert "gate passed" not in done.stdout and "pass" not in done.stdout  # verify refused before its gate ran
 
 
 def test_a_deleted_experiment_is_one_line_and_exit_2():

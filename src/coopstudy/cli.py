@@ -205,11 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         # A full disk is the machine's state, not a defect: one line. What was
         # being written went to a temporary name and was never taken for valid.
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        where = f" writing {err.filename}" if err.filename else ""
-        print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
-        return 2
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" writing {err.filename}" if err.filename else ""
+            print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
+            return 2
+        # A path in the way (a folder where a file belongs, a file where a
+        # folder does, no permission, a read-only disk): what to move, in one
+        # line; the traceback stays in the step's run (error.txt).
+        if err.errno in (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS) and err.filename:
+            print(f"coopstudy {args.step}: error: {err.filename}: {err.strerror}", file=sys.stderr)
+            return 2
+        raise
     except Exception as err:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.
         from coopstudy.record import store

@@ -96,6 +96,12 @@ class ModelConfig(_Section):
             raise ValueError("name_or_path: required when source=pretrained (a hub id or a local directory)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            # Rotary position embeddings rotate each head's dimensions in pairs.
+            raise ValueError(
+                f"hidden_size: {self.hidden_size} / num_heads={self.num_heads} is {self.hidden_size // self.num_heads} dimensions per head, "
+                "an odd number (rotary embeddings need an even one)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
         return self
@@ -364,6 +370,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for item in overrides:
         path, value = _parse_override(item)
+        if path == ["preset"]:
+            # Hints rebuild a config as `--preset NAME --set ...`: a renamed one would load another file.
+            raise ConfigError(f"override {item!r}: a config's name is the preset it loads (or a preset file's own `preset:` key), not an override")
         node = raw
         for i, part in enumerate(path[:-1]):
             child = node.get(part)

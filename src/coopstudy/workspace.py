@@ -39,6 +39,8 @@ def home() -> Path:
         raise UserError(f"the study's home {root}: {blocking} is a file, not a folder (set {HOME_VARIABLE} to move it)") from None
     except PermissionError:
         raise UserError(f"the study's home {root}: permission denied (set {HOME_VARIABLE} to move it)") from None
+    except OSError as err:
+        raise UserError(f"the study's home {root}: cannot be made ({err.strerror}; set {HOME_VARIABLE} to move it)") from None
     return root
 
 

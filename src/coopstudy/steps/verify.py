@@ -68,7 +68,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
     # Wide enough for the table when output goes to a file or a pipe (80 columns by default).
     console = ui.console(110)
+    book = ledger_mod.Ledger()
     with writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
+        # A ledger that cannot take the receipt is refused before the gate's minutes, not after them.
+        book.entries()
         result = gate.run_gate(cfg)
         receipt = receipts.gate_receipt(result, cfg)
         digest = receipts.gate_receipt_digest(receipt)
@@ -79,7 +82,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             shown = "; ".join(result.failures[:3])
             more = f" (and {len(result.failures) - 3} more)" if len(result.failures) > 3 else ""
             raise gate.GateFailed(f"equivalence gate failed: {shown}{more}")
-        entry = ledger_mod.Ledger().append(
+        entry = book.append(
             ledger_mod.GATE,
             sources.GATE_SUBJECT,
             digest,
