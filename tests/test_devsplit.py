@@ -79,6 +79,7 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
         (("--dev-seed", "9000000"), "--dev-seed: the seed ranges of the development split's gcd (9000000..9000107) and the final test's gcd"),
         (("--lrs", "1e30", "--updates", "3"), "training diverged at update 3 (loss nan, learning rate 1e+30)"),
         (("--dev-seed", "-1"), "--dev-seed: -1 is negative"),
+        (("--dev-seed", "99999999999999999999"), "--dev-seed: at most 4,294,967,295, as data.test_seed"),
         (("--dev-seed", "1000"), "--dev-seed: the seed ranges of training gcd (1000..1011) and the development split's gcd (from 1000) overlap"),
     ],
 )

@@ -20,6 +20,7 @@ import pytest
 from fixtures import faults_of_a_large_tensor_made_again
 
 from coopstudy import config, machine
+from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
 
@@ -118,6 +119,18 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     assert two_hosts[two_hosts.index("--num_gpus") + 1] == "1"
     control = launch.command(cfg, "control", "RUN").argv
     assert control[1:4] == ["-m", "coopstudy", "worker"] and "deepspeed" not in " ".join(control)
+
+
+def test_nccl_without_cuda_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    # Otherwise each rank says it through the launcher, among the launcher's own lines.
+    monkeypatch.setattr(launch.machine, "cuda_available", lambda: False)
+    cfg = config.load("tiny", ["distributed.backend=nccl"])
+    with pytest.raises(UserError, match="^distributed.backend: nccl needs CUDA, and this machine has none"):
+        launch.command(cfg, "compressed", "RUN")
+    assert launch.command(cfg, "control", "RUN").how == "1 process"  # one process: no collectives
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("host-a slots=1\nhost-b slots=1\n")
+    assert launch.command(cfg, "compressed", "RUN", hostfile=hostfile).over_ssh  # the hosts' own CUDA decides
 
 
 def test_the_compressed_arm_keeps_the_gpus_this_job_was_given(monkeypatch):

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from coopstudy import scoring, ui
-from coopstudy.config import Config
+from coopstudy.config import INT_CEILING, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
@@ -62,7 +62,9 @@ families the seed does not already solve (below {SOLVED:.0%}) and that training 
 by more than {MOVED * 100:.0f} points at some rate; take the largest rate whose retention
 bound stays below the threshold.
 
-Writes: one MLflow run (stage {schema.STAGE_DEV_SPLIT}) with each model's metrics and the
+Writes: the split's prepared folder under <home>/prepared/ (as prepare
+        writes one; nothing in the ledger); one MLflow run (stage
+        {schema.STAGE_DEV_SPLIT}) with each model's metrics and the
         table as {schema.ART_DEV_SPLIT}. Minutes per rate on CPU: a job of its own,
         for a quiet machine; it holds the device as `train` does, and refuses
         while another job holds it.
@@ -167,6 +169,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         raise UserError(f"--lrs: {', '.join(f'{lr:g}' for lr in twice)} listed twice")
     if args.dev_seed < 0:
         raise UserError(f"--dev-seed: {args.dev_seed} is negative (reasoning-gym would take its absolute value)")
+    if args.dev_seed > INT_CEILING:
+        raise UserError(f"--dev-seed: at most {INT_CEILING:,}, as data.test_seed")
     # Checked before the development config is built, which would name a bad family's key data.families.
     families = args.families or list(cfg.data.families)
     tasks.check_families(families, "--families" if args.families else "data.families", _options_of(cfg, families))

@@ -3,6 +3,7 @@ other exception is a bug and keeps its traceback."""
 
 
 INTERRUPTED = "interrupted (SIGINT)"
+NCCL_WITHOUT_CUDA = "distributed.backend: nccl needs CUDA, and this machine has none; use gloo or auto"
 """How a stop by Ctrl-C is told (its KeyboardInterrupt says nothing)."""
 
 

@@ -35,8 +35,10 @@ Runs prepare -> verify -> probe -> plan -> train control -> train compressed -> 
 A finished step whose config, sources and upstream steps are unchanged is
 reused (its run id is shown); otherwise it runs again.
 
-Reads: the preset. Writes: every step's runs and artifacts; ends by printing
-the report."""
+Reads: the preset; what each step reads (see its own --help); the record's
+finished runs of each step, to tell which can be reused.
+Writes: what each step writes (its runs, artifacts and ledger entries), and
+the study run above them with each step's key; ends by printing the report."""
 
 @dataclass(frozen=True)
 class Step:

@@ -72,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coopstudy import machine
 from coopstudy.config import Config
-from coopstudy.errors import UserError
+from coopstudy.errors import NCCL_WITHOUT_CUDA, UserError
 from coopstudy.numerics import onednn
 
 DENSE = "dense"
@@ -136,7 +136,7 @@ def init(cfg: Config) -> DistContext:
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
-        raise UserError("distributed.backend: nccl needs CUDA, and this machine has none; use gloo or auto")
+        raise UserError(NCCL_WITHOUT_CUDA)
     # gloo ranks compute on CPU (the CPU presets, the gate) even where CUDA exists.
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":

@@ -48,7 +48,7 @@ import psutil
 from coopstudy import config as config_mod
 from coopstudy import machine, workspace
 from coopstudy.config import TRAINING_ALLOCATOR, Config
-from coopstudy.errors import INTERRUPTED, UserError
+from coopstudy.errors import INTERRUPTED, NCCL_WITHOUT_CUDA, UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import one_host_launcher
 
@@ -170,7 +170,11 @@ def encode_config(cfg: Config) -> str:
 
 
 def decode_config(word: str) -> Config:
-    return config_mod.from_dict(json.loads(zlib.decompress(base64.urlsafe_b64decode(word))))
+    try:
+        raw = json.loads(zlib.decompress(base64.urlsafe_b64decode(word)))
+    except (ValueError, zlib.error):
+        raise UserError("--config: not a config encode_config made (the worker is started by train, probe and bench arms)") from None
+    return config_mod.from_dict(raw)
 
 
 NO_DEEPSPEED = "the compressed arm needs the DeepSpeed launcher; install deepspeed in this environment"
@@ -218,6 +222,10 @@ def command(
             worker_args += ["--capacity-mb", str(capacity_mb)]
     if workers == 1:
         return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process")
+    # Said before any rank starts, not by each rank through the launcher; ranks
+    # the runner starts over ssh run on other hosts, which may have CUDA.
+    if cfg.distributed.backend == "nccl" and (hostfile is None or nodes is not None) and not machine.cuda_available():
+        raise UserError(NCCL_WITHOUT_CUDA)
     # --no_local_rank: LOCAL_RANK is in every rank's environment; the argument would come before the command.
     if nodes is not None:
         if hostfile is None or master_addr is None or master_port is None:

