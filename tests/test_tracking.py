@@ -270,6 +270,18 @@ def test_a_record_that_cannot_be_kept_during_an_outage_is_not_told_as_the_outage
     assert not outbox.is_outage(full.value)
 
 
+def test_remote_deliver_says_what_the_store_refused_and_delivers_nothing_of_it():
+    run_id = "0" * 32  # a run this store does not have
+    path = outbox.outbox_dir() / f"{run_id}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}) + "\n")
+    done = run_cli("remote", "deliver", run_id)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the server refused a waiting record" in done.stderr and "delivered" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "no records wait any more for 1 runs; the server refused 1 of them, kept aside as said above"
+    assert not path.exists() and path.with_suffix(".rejected").is_file()
+
+
 def test_a_record_refused_while_a_stop_is_handled_is_still_a_refusal(monkeypatch, capsys):
     # A rank records its error after a SIGTERM: the server's refusal then is no stop of the send.
     from mlflow.exceptions import MlflowException
@@ -287,8 +299,9 @@ def test_a_record_refused_while_a_stop_is_handled_is_still_a_refusal(monkeypatch
         raise errors.Stopped("stopped by SIGTERM")
     except errors.Stopped:
         assert box.deliver()
-    assert "the server refused a waiting record" in capsys.readouterr().err
-    assert box.rejected.is_file() and not box.path.exists()
+    err = capsys.readouterr().err
+    assert "the server refused a waiting record" in err and "delivered" not in err  # none was
+    assert box.rejected.is_file() and not box.path.exists() and box.refused == 1
 
 
 @pytest.mark.parametrize("text", ["", "garbage\n", '{"op": "batch"}\n'])

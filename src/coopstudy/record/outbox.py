@@ -314,6 +314,8 @@ class Outbox:
         self.path = outbox_dir() / f"{run_id}.jsonl"
         # Kept aside: records the server refused, and lines that are no record.
         self.rejected = self.path.with_suffix(".rejected")
+        self.refused = 0
+        """Waiting records the server refused (kept aside) since this outbox was opened."""
         self._retry_at = 0.0
         self._interval = RETRY_FIRST_S
         self._exit_hook = False
@@ -411,6 +413,7 @@ class Outbox:
         if not self.path.exists():
             return True
         outer = sys.exception()
+        refused_at: set[int] = set()
         with self._locked() as fh:
             records = self._read(fh)
             for sent, record in enumerate(records):
@@ -421,6 +424,7 @@ class Outbox:
                     lost = is_outage(err, outer)
                     if isinstance(err, Exception) and stop is None and not lost:
                         self._reject(record, err)
+                        refused_at.add(sent)
                         continue
                     # Only the undelivered rest stays, so nothing is sent twice; a stop
                     # keeps the one it cut short too, as it may not have reached the server.
@@ -433,8 +437,9 @@ class Outbox:
                     return False
             os.unlink(self.path)
         self._interval = RETRY_FIRST_S
-        if records:
-            print(f"coopstudy: delivered {len(records)} waiting records of run {self.run_id} ({describe(records)}) to {self.uri}", file=sys.stderr, flush=True)
+        delivered = [r for i, r in enumerate(records) if i not in refused_at]
+        if delivered:
+            print(f"coopstudy: delivered {len(delivered)} waiting records of run {self.run_id} ({describe(delivered)}) to {self.uri}", file=sys.stderr, flush=True)
         return True
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
@@ -456,6 +461,7 @@ class Outbox:
         # and holding it would block every record behind it. It is kept aside, said once.
         with open(self.rejected, "a") as fh:
             fh.write(json.dumps(record | {"error": str(err)[:2000]}) + "\n")
+        self.refused += 1
         print(f"coopstudy: the server refused a waiting record of run {self.run_id} ({describe([record])}): "
               f"{(str(err).splitlines() or [''])[0][:300]}; kept in {self.rejected}", file=sys.stderr, flush=True)
 
@@ -515,9 +521,9 @@ class Outbox:
 # --- python -m coopstudy remote ----------------------------------------------
 
 
-def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
+def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[bool, int]]:
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
-    written for, or to `uri`; run id -> whether nothing is left."""
+    written for, or to `uri`; run id -> (whether nothing is left, how many records the server refused)."""
     paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
     done: dict[str, bool] = {}
     for path in paths:
@@ -525,12 +531,13 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, bool]:
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
         target = uri or _written_for(path)
         if target is None:  # no record in it: removed under the lock, as any delivered outbox
-            done[path.stem] = Outbox(path.stem, "", None).deliver()
+            done[path.stem] = (Outbox(path.stem, "", None).deliver(), 0)
             continue
         # This command says itself whether the server answered.
         Outbox._warned.add(path)
         where = "--tracking-uri" if uri else f"the records in {path}"
-        done[path.stem] = Outbox(path.stem, target, store.client(target, where)).deliver()
+        box = Outbox(path.stem, target, store.client(target, where))
+        done[path.stem] = (box.deliver(), box.refused)
     return done
 
 
@@ -605,8 +612,14 @@ def main(args: argparse.Namespace) -> int:
         return 0
     store.use_http_defaults()
     done = deliver_all(args.run_ids, args.tracking_uri)
-    left = [run for run, ok in done.items() if not ok]
+    left = [run for run, (ok, _) in done.items() if not ok]
     if left:
         raise UserError(f"the server still does not answer; records of {len(left)} runs wait in {outbox_dir()} (run this again later)")
-    print(f"delivered the waiting records of {len(done)} runs" if done else "no records wait in " + str(outbox_dir()))
+    refused = sum(n for _, n in done.values())
+    if not done:
+        print(f"no records wait in {outbox_dir()}")
+    elif refused:
+        print(f"no records wait any more for {len(done)} runs; the server refused {refused} of them, kept aside as said above")
+    else:
+        print(f"delivered the waiting records of {len(done)} runs")
     return 0
