@@ -433,3 +433,16 @@ def test_a_step_started_by_itself_takes_no_key_when_its_upstream_has_no_run_unde
     assert schema.TAG_STEP_KEY not in planned.data.tags
     (verified,) = client.search_runs([exp], f"tags.`{schema.TAG_STAGE}` = 'verify'")
     assert schema.TAG_STEP_KEY in verified.data.tags  # no upstream: keyed as the study keys it
+
+
+def test_a_deadline_already_passed_is_refused_before_any_step_runs():
+    # Train would refuse it too, but only after prepare, verify, the probes and the plan.
+    done = run_cli("study", "--preset", "tiny", "--set", "budget.deadline=2020-01-01T00:00:00Z", "--through", "train", "--arm", "control")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "coopstudy study: error: budget.deadline 2020-01-01T00:00:00+00:00 has passed, and train-control would train after it; "
+        "set a later deadline (--set budget.deadline=...) or none (--set budget.deadline=null)"
+    ]
+    assert "running" not in done.stdout
+    client = mlflow.MlflowClient()
+    assert not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -251,20 +252,37 @@ def _step_args(step: Step, study: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, str]) -> None:
+    """Before any step: train refuses to start after budget.deadline, so a
+    study that would train then refuses now, not after the probes' minutes."""
+    when = cfg.budget.deadline
+    if when is None or when > datetime.now(timezone.utc):
+        return
+    finished = f"tags.`{schema.TAG_STEP_KEY}` = '{{}}' and attributes.status = 'FINISHED'"
+    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not store.search_runs(cfg.experiment, finished.format(keys[s.name]))]
+    if to_train:
+        raise UserError(
+            f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_train)} would train after it; "
+            "set a later deadline (--set budget.deadline=...) or none (--set budget.deadline=null)"
+        )
+
+
 def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.arm != "both" and args.through != "train":
         # Every later step needs both arms trained; running both quietly would not be what was asked.
         raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
     steps = selected_steps(args.through, args.arm)
     keys: dict[str, str] = {}
+    for step in steps:
+        keys[step.name] = step_key(step, cfg, keys)
+    _refuse_a_passed_deadline(cfg, steps, keys)
     checks = Checks(cfg)
     t0 = time.perf_counter()
     # Not train-<arm>-<preset>: that is the name of the arm run it starts.
     name = f"study-train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
     with writer.stage_run(schema.STAGE_STUDY, cfg, run_name=name) as rec:
         for n, step in enumerate(steps):
-            key = step_key(step, cfg, keys)
-            keys[step.name] = key
+            key = keys[step.name]
             reused, said = _reusable_run(step, checks, key)
             if reused:
                 print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged{f'; {said}' if said else ''})", flush=True)
