@@ -178,6 +178,28 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
     assert res.stderr == f"coopstudy train: error: {said}\n"
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (("study", "--arm", "control"), "--arm control: it applies only with --through train (got --through report)"),
+        (("train", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
+        (("train", "--arm", "control", "--hostfile", "hosts"), "--hostfile: only the compressed arm runs on several hosts (got --arm control)"),
+        (("probe", "--set", "probe.candidates=[{arm: control, microbatch: 100}]"), "config tiny: arms.control.microbatch: 100 is larger than the local batch"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
+)
+def test_dry_run_refuses_what_the_step_refuses_before_any_work(cli, argv, said, tmp_path):
+    step, *rest = argv
+    (tmp_path / "hosts").write_text("host-a slots=1\nhost-b slots=1\n")
+    rest = [str(tmp_path / a) if a == "hosts" else a for a in rest]
+    dry = cli(step, "--preset", "tiny", *rest, "--dry-run")
+    assert (dry.returncode, dry.stdout) == (2, ""), dry.stderr
+    assert dry.stderr.startswith(f"coopstudy {step}: error: {said}"), dry.stderr
+    # The same line as the step itself, before it does anything.
+    real = cli(step, "--preset", "tiny", *rest)
+    assert (real.returncode, real.stderr.splitlines()[-1:]) == (2, dry.stderr.splitlines()), real.stderr[-3000:]
+
+
 @pytest.mark.parametrize("native, resolved", [(True, "bf16"), (False, "fp32")])
 def test_auto_precision_resolves_on_load(monkeypatch, native, resolved):
     monkeypatch.setattr(machine, "native_bf16", lambda: native)

@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             from coopstudy.inputs import tasks
 
             tasks.check_families(cfg.data.families, "data.families", cfg.data.family_options)
+            # What the step itself refuses in its arguments before any work.
+            check = getattr(_module(args.step), "check_arguments", None)
+            if check is not None:
+                check(cfg, args)
             print(config_mod.to_yaml(cfg), end="")
             return 0
         code = _run_step(args.step, cfg, args)

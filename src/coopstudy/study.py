@@ -267,10 +267,15 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
         )
 
 
-def run(cfg: Config, args: argparse.Namespace) -> int:
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What study refuses in its arguments, before any work (and under --dry-run)."""
     if args.arm != "both" and args.through != "train":
         # Every later step needs both arms trained; running both quietly would not be what was asked.
         raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    check_arguments(cfg, args)
     steps = selected_steps(args.through, args.arm)
     keys: dict[str, str] = {}
     for step in steps:

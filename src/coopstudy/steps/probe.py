@@ -188,12 +188,20 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
     return table
 
 
-def run(cfg: Config, args: argparse.Namespace) -> int:
-    candidates = _candidates(cfg)
-    arms = tuple(sorted({c.arm for c, _ in candidates}))
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What probe refuses in its config and arguments, before any work (and under --dry-run)."""
+    arms = {c.arm for c, _ in _candidates(cfg)}
     if args.hostfile is not None:
         if "compressed" not in arms:
             raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
+        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    check_arguments(cfg, args)
+    candidates = _candidates(cfg)
+    arms = tuple(sorted({c.arm for c, _ in candidates}))
+    if args.hostfile is not None:
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     console = ui.console(140)
     devices = launch.devices_of(cfg, arms, args.hostfile)

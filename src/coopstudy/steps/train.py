@@ -114,8 +114,17 @@ class Nodes:
     """On a node other than 0: the run node 0 opened."""
 
 
-def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
-    """The --nodes options, checked, or None for a job this host runs whole."""
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What train refuses in its arguments, before any work (and under --dry-run)."""
+    count = _node_count(cfg, args)
+    if args.hostfile is not None and count is None:
+        if args.arm == "control":
+            raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
+        launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+
+
+def _node_count(cfg: Config, args: argparse.Namespace) -> int | None:
+    """The --nodes options, checked: how many nodes, or None for a job this host runs whole."""
     given = [f"--{n.replace('_', '-')}" for n in ("node_rank", "master_addr", "master_port", "run_id") if getattr(args, n, None) is not None]
     count = getattr(args, "nodes", None)
     if count is None or count == 1:
@@ -146,9 +155,16 @@ def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
         raise UserError(f"node {args.node_rank} joins the run node 0 opened: give its --run-id (node 0 prints the command)")
     if args.hostfile is not None:
         launch.check_hostfile(args.hostfile, count, workers // count)
-        hostfile = args.hostfile
-    else:
-        hostfile = launch.node_hostfile(count, workers // count)
+    return count
+
+
+def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
+    """The --nodes options (check_arguments refused bad ones first), or None for a job this host runs whole."""
+    count = _node_count(cfg, args)
+    if count is None:
+        return None
+    per_node = cfg.arms.compressed.workers // count
+    hostfile = args.hostfile if args.hostfile is not None else launch.node_hostfile(count, per_node)
     return Nodes(count, args.node_rank, args.master_addr, args.master_port, hostfile, args.run_id)
 
 
@@ -203,10 +219,9 @@ def train_arm(
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     arms = ARMS if args.arm == "both" else (args.arm,)
+    check_arguments(cfg, args)
     nodes = _nodes(cfg, args)
     if args.hostfile is not None and nodes is None:
-        if "compressed" not in arms:
-            raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
     holder = f"coopstudy train --arm {args.arm} --preset {cfg.preset_argument}"
