@@ -264,3 +264,17 @@ def test_a_typo_by_hand_under_a_leftover_mlflow_run_id_is_told_as_the_cli_flag_a
     assert done.stderr.strip() == "coopstudy prepare: error: unrecognized arguments: --nosuch 1 (see `python -m coopstudy prepare --help`)"
     again = project.local.get_run(old.info.run_id)
     assert (again.info.status, again.info.run_name, again.data.tags) == (old.info.status, old.info.run_name, old.data.tags)
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        # argparse would take `tiny` for the command.
+        (("--preset", "tiny", "prepare", "--dry-run"), "options go after the command: `python -m coopstudy prepare --preset tiny --dry-run`"),
+        # argparse would say only that a command is missing.
+        (("--bogus",), "unrecognized arguments: --bogus (a command comes first: see `python -m coopstudy --help`)"),
+    ],
+)
+def test_options_before_the_command_are_one_line_saying_where_they_go(cli, argv, said):
+    done = cli(*argv)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"coopstudy: error: {said}\n")

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     undeclared = _undeclared(named, argv)
     if undeclared:
         return _refuse(argparse.Namespace(step=named, preset=preset), UserError(undeclared))
+    early = _options_before_the_command(argv)
+    if early:
+        return _refuse(argparse.Namespace(step=None, preset=preset), UserError(early))
     try:
         args, unknown = parser.parse_known_args(argv)
     except _BadArguments as err:
@@ -242,6 +246,19 @@ def _refuse(args: argparse.Namespace, err: UserError) -> int:
         preset = getattr(args, "preset", None)
         writer.mark_refused(f"{args.step}-{Path(preset).stem}" if preset else args.step, err)
     return 2
+
+
+def _options_before_the_command(argv: list[str]) -> str | None:
+    """What is wrong with options given before the command, or None. (argparse
+    would take `--preset tiny prepare`'s `tiny` for the command, and say of
+    `--bogus` only that a command is missing.)"""
+    if not argv or not argv[0].startswith("-") or argv[0] in ("-h", "--help", "--version"):
+        return None
+    command = next((a for a in argv if a in STEPS or a in TOOLS), None)
+    if command is None:
+        return f"unrecognized arguments: {' '.join(argv)} (a command comes first: see `python -m coopstudy --help`)"
+    at = argv.index(command)
+    return f"options go after the command: `python -m coopstudy {shlex.join([command, *argv[:at], *argv[at + 1 :]])}`"
 
 
 def _unrecognized(step: str | None, unknown: list[str]) -> str:

@@ -572,7 +572,7 @@ with the command that delivers it.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser(
         "deliver", help="send records kept during an outage (<home>/outbox/*.jsonl) to the server",
         description=(
