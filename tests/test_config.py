@@ -82,6 +82,10 @@ def test_overrides_are_typed():
         ("train.updates=true", "train.updates: expected a number, not a boolean"),
         # Passed to the model, it fails inside the first forward's rotary embedding.
         (("model.hidden_size=6", "model.num_heads=2", "model.num_kv_heads=2"), "model.hidden_size: 6 / num_heads=2 is 3 dimensions per head"),
+        # The arms the protocol compares, or the screens would judge something else under their names.
+        ("arms.control.workers=2", "arms.control.workers: the control is the single-device arm, 1 worker, not 2"),
+        ("arms.compressed.workers=1", "arms.compressed.workers: the compressed arm's gradients travel between workers: at least 2"),
+        ("powersgd.dense_updates=6", "powersgd.dense_updates: 6 dense updates of train.updates=6 leave the compressed arm no compressed update"),
         # Hints load the config again as `--preset NAME`: renamed, they would load another preset.
         ("preset=smollm2-135m-cpu", "override 'preset=smollm2-135m-cpu': a config's name is the preset it loads"),
     ],

@@ -279,6 +279,17 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_arms(self) -> "Config":
+        # The study's two arms, as the protocol defines them: otherwise the
+        # screens would compare something else under the arms' names.
+        if self.arms.control.workers != 1:
+            raise ValueError(f"arms.control.workers: the control is the single-device arm, 1 worker, not {self.arms.control.workers}")
+        if self.arms.compressed.workers < 2:
+            raise ValueError("arms.compressed.workers: the compressed arm's gradients travel between workers: at least 2, not 1")
+        if self.powersgd.dense_updates >= self.train.updates:
+            raise ValueError(
+                f"powersgd.dense_updates: {self.powersgd.dense_updates} dense updates of train.updates={self.train.updates} "
+                "leave the compressed arm no compressed update"
+            )
         for name in ARMS:
             arm = self.arm(name)
             if self.train.global_batch % arm.workers:
