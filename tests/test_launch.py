@@ -87,6 +87,19 @@ def test_a_launch_says_how_busy_other_processes_kept_the_host(capsys):
     assert line.startswith("warning: train control: other processes kept ") and f"({schema.M_OTHERS_CORES})" in line
 
 
+def test_a_launch_that_asks_for_more_cores_than_the_host_gives_says_so(capsys):
+    cfg = config.load("tiny", ["train.threads_per_device=1024"])
+    cmd = launch.command(cfg, "compressed", "RUN")
+    assert cmd.cores == 2 * 1024
+    quick = dataclasses.replace(cmd, argv=[sys.executable, "-c", "pass"])
+    assert launch.run(quick, os.environ, label="train compressed").returncode == 0
+    # (A launch this short may also be said to run on a loaded host: other lines are not this test's.)
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "cores (ranks x" in x]
+    assert line.startswith("warning: train compressed: its processes ask for 2048 cores (ranks x train.threads_per_device), and this host gives the job ")
+    assert launch.run(dataclasses.replace(quick, cores=1), os.environ, label="train control").returncode == 0
+    assert "cores (ranks x" not in capsys.readouterr().err
+
+
 def test_the_lock_is_free_again_after_the_holder_ends():
     with lock.device_lock(["cpu"], "first"):
         pass

@@ -53,6 +53,11 @@ def native_bf16() -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def pin_rank(local_rank: int, local_ranks: int, threads: int) -> tuple[int, ...] | None:
     """Gives a CPU rank cores of its own, for the rest of this process: the
     `threads` cores at local_rank × threads among those the process may run
@@ -66,7 +71,7 @@ def pin_rank(local_rank: int, local_ranks: int, threads: int) -> tuple[int, ...]
     changed)."""
     if not hasattr(os, "sched_setaffinity") or local_ranks < 1:
         return None
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = usable_cores()
     if local_ranks * threads > len(allowed):
         return None
     cores = tuple(allowed[local_rank * threads : (local_rank + 1) * threads])

@@ -77,6 +77,8 @@ class Command:
     argv: list[str]
     how: str
     """What it starts, in words: "1 process", "2 ranks via the DeepSpeed launcher", ..."""
+    cores: int = 0
+    """The cores its processes on this host ask for (ranks here x train.threads_per_device)."""
     over_ssh: bool = False
     """The DeepSpeed runner starts the ranks on a hostfile's hosts over ssh:
     they are no children of this process, nor perhaps on its host."""
@@ -209,6 +211,7 @@ def command(
     master's address and port): node `node_rank` of a job started by hand
     on each host, without ssh."""
     workers = cfg.arm(arm).workers
+    threads = cfg.train.threads_per_device
     # Everything a rank needs travels as arguments: DeepSpeed forwards only
     # some environment variables to a second host.
     worker_args = ["--arm", arm, "--run-id", run_id, "--config", encode_config(cfg), "--allocator", allocator]
@@ -221,7 +224,7 @@ def command(
         if capacity_mb is not None:
             worker_args += ["--capacity-mb", str(capacity_mb)]
     if workers == 1:
-        return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process")
+        return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process", threads)
     # Said before any rank starts, not by each rank through the launcher; ranks
     # the runner starts over ssh run on other hosts, which may have CUDA.
     if cfg.distributed.backend == "nccl" and (hostfile is None or nodes is not None) and not machine.cuda_available():
@@ -238,7 +241,7 @@ def command(
         per_node = workers // nodes
         first, last = node_rank * per_node, (node_rank + 1) * per_node - 1
         how = f"node {node_rank} of {nodes} (ranks {first}-{last} of {workers}), rendezvous {master_addr}:{master_port}"
-        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how)
+        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how, per_node * threads)
     port = str(workspace.free_port())
     if hostfile is not None:
         # One rank per host, as many hosts as workers, from the hostfile
@@ -258,7 +261,7 @@ def command(
         sys.executable, "-u", "-m", one_host_launcher.__name__, f"--world_info={_world_info(devices)}",
         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
     ]  # fmt: skip
-    return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], f"{workers} ranks via the DeepSpeed launcher")
+    return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], f"{workers} ranks via the DeepSpeed launcher", workers * threads)
 
 
 def _world_info(devices: list[str]) -> str:
@@ -439,9 +442,17 @@ def _raise_waiting() -> None:
 
 def run(cmd: Command, env: Mapping[str, str], *, label: str, held: Any = None) -> Exit:
     """Start `cmd`, wait for it, and time it from the outside; warn, as
-    `label`, when other processes kept the host busy meanwhile (not measured
-    for ranks started over ssh). `held` (a run.lock.Held) records the
+    `label`, when its processes ask for more cores than the host gives, or
+    other processes kept the host busy meanwhile (not measured for ranks
+    started over ssh). `held` (a run.lock.Held) records the
     launch's process group while it runs."""
+    have = len(machine.usable_cores())
+    if cmd.cores > have:
+        print(
+            f"warning: {label}: its processes ask for {cmd.cores} cores (ranks x train.threads_per_device), and this host "
+            f"gives the job {have}: they share cores, and its timings are an oversubscribed machine's",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     with stopping():
         cpu_at_start = machine.CpuTimes.now()
         start = time.perf_counter()
