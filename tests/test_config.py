@@ -189,6 +189,10 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
         (("train", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
         (("train", "--arm", "control", "--hostfile", "hosts"), "--hostfile: only the compressed arm runs on several hosts (got --arm control)"),
         (("probe", "--set", "probe.candidates=[{arm: control, microbatch: 100}]"), "config tiny: arms.control.microbatch: 100 is larger than the local batch"),
+        pytest.param(
+            ("train", "--set", "distributed.backend=nccl"), "distributed.backend: nccl needs CUDA, and this machine has none",
+            marks=pytest.mark.skipif(machine.cuda_available(), reason="this machine has CUDA"),
+        ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
 )

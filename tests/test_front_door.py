@@ -278,3 +278,19 @@ def test_a_typo_by_hand_under_a_leftover_mlflow_run_id_is_told_as_the_cli_flag_a
 def test_options_before_the_command_are_one_line_saying_where_they_go(cli, argv, said):
     done = cli(*argv)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", f"coopstudy: error: {said}\n")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (("remote",), "coopstudy remote: error: the following arguments are required: COMMAND (see `python -m coopstudy remote --help`)"),
+        # Started by hand with a word no stage made: zlib's error would end in a traceback.
+        (("worker", "--arm", "control", "--config", "nonsense", "--run-id", "0" * 32),
+         "coopstudy worker (control, rank 0): --config: not a config encode_config made (the worker is started by train, probe and bench arms)"),
+    ],
+    ids=["remote without its command", "worker --config nonsense"],
+)
+def test_a_tool_or_the_worker_given_too_little_is_one_line(cli, argv, line):
+    done = cli(*argv)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == line, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr

@@ -278,7 +278,7 @@ def test_remote_deliver_says_what_the_store_refused_and_delivers_nothing_of_it()
     done = run_cli("remote", "deliver", run_id)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the server refused a waiting record" in done.stderr and "delivered" not in done.stderr, done.stderr
-    assert done.stdout.strip() == "no records wait any more for 1 runs; the server refused 1 of them, kept aside as said above"
+    assert done.stdout.strip() == f"no records wait any more in {outbox.outbox_dir()}; the server refused 1 of them (kept aside, as said above)"
     assert not path.exists() and path.with_suffix(".rejected").is_file()
 
 

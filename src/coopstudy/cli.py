@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             from coopstudy.inputs import tasks
 
             tasks.check_families(cfg.data.families, "data.families", cfg.data.family_options)
-            # What the step itself refuses in its arguments before any work.
+            # A dry run that passed what the step then refuses would mislead.
             check = getattr(_module(args.step), "check_arguments", None)
             if check is not None:
                 check(cfg, args)
@@ -218,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
             return 2
         # A path in the way (a folder where a file belongs, a file where a
-        # folder does, no permission, a read-only disk): what to move, in one
-        # line; the traceback stays in the step's run (error.txt).
+        # folder does, no permission, a read-only disk) is the user's to move:
+        # one line naming it (a rename's target, not its temporary source),
+        # and a step run already open keeps the traceback (error.txt).
         if err.errno in (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS) and err.filename:
-            print(f"coopstudy {args.step}: error: {err.filename}: {err.strerror}", file=sys.stderr)
-            return 2
+            return _refuse(args, UserError(f"{err.filename2 or err.filename}: {err.strerror}"))
         raise
     except Exception as err:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.

@@ -3,8 +3,9 @@ other exception is a bug and keeps its traceback."""
 
 
 INTERRUPTED = "interrupted (SIGINT)"
-NCCL_WITHOUT_CUDA = "distributed.backend: nccl needs CUDA, and this machine has none; use gloo or auto"
 """How a stop by Ctrl-C is told (its KeyboardInterrupt says nothing)."""
+NCCL_WITHOUT_CUDA = "distributed.backend: nccl needs CUDA, and this machine has none; use gloo or auto"
+"""Said by the stage before it starts ranks on this host, and by a rank started elsewhere."""
 
 
 class UserError(Exception):

@@ -179,13 +179,15 @@ def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
     return workspace.sha256_bytes(json.dumps(body, sort_keys=True).encode())
 
 
+def _finished_under(cfg: Config, key: str) -> list[Any]:
+    """The FINISHED runs that carry step key `key`, newest first."""
+    return store.search_runs(cfg.experiment, f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'")
+
+
 def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str | None]:
     """(the run a study reuses, its check's note or None), or (None, why the
     newest finished run under the key is not reused; None where there is none)."""
-    runs = store.search_runs(
-        checks.cfg.experiment,
-        f"tags.`{schema.TAG_STEP_KEY}` = '{key}' and attributes.status = 'FINISHED'",
-    )
+    runs = _finished_under(checks.cfg, key)
     if not runs:
         return None, None
     try:
@@ -258,8 +260,9 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
     when = cfg.budget.deadline
     if when is None or when > datetime.now(timezone.utc):
         return
-    finished = f"tags.`{schema.TAG_STEP_KEY}` = '{{}}' and attributes.status = 'FINISHED'"
-    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not store.search_runs(cfg.experiment, finished.format(keys[s.name]))]
+    # A finished train run under the key is most likely reused; where it is not
+    # (its checkpoint changed, the plan committed again), train still refuses.
+    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not _finished_under(cfg, keys[s.name])]
     if to_train:
         raise UserError(
             f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_train)} would train after it; "

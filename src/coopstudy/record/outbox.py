@@ -525,7 +525,7 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[b
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
     written for, or to `uri`; run id -> (whether nothing is left, how many records the server refused)."""
     paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
-    done: dict[str, bool] = {}
+    done: dict[str, tuple[bool, int]] = {}
     for path in paths:
         if not path.is_file():
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
@@ -619,7 +619,7 @@ def main(args: argparse.Namespace) -> int:
     if not done:
         print(f"no records wait in {outbox_dir()}")
     elif refused:
-        print(f"no records wait any more for {len(done)} runs; the server refused {refused} of them, kept aside as said above")
+        print(f"no records wait any more in {outbox_dir()}; the server refused {refused} of them (kept aside, as said above)")
     else:
         print(f"delivered the waiting records of {len(done)} runs")
     return 0

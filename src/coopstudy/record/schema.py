@@ -384,7 +384,7 @@ TAG_WORKER_ERROR_PREFIX = "coopstudy.worker_error.rank"
 """+ rank, on train arm, probe candidate and bench-arms runs: `<type>: <first line>` of the error that training
 process hit (the run's own error tag says what the stage saw)."""
 ART_WORKER_ERROR_PREFIX = "worker_errors/rank"
-"""+ rank + .txt, on train arm and probe candidate runs: that training process's traceback."""
+"""+ rank + .txt, on train arm, probe candidate and bench-arms runs: that training process's traceback."""
 
 # --- select / evaluate ------------------------------------------------------
 TAG_CANDIDATE_PREFIX = "coopstudy.candidate."

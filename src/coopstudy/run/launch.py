@@ -225,10 +225,7 @@ def command(
             worker_args += ["--capacity-mb", str(capacity_mb)]
     if workers == 1:
         return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process", threads)
-    # Said before any rank starts, not by each rank through the launcher; ranks
-    # the runner starts over ssh run on other hosts, which may have CUDA.
-    if cfg.distributed.backend == "nccl" and (hostfile is None or nodes is not None) and not machine.cuda_available():
-        raise UserError(NCCL_WITHOUT_CUDA)
+    check_backend(cfg, ranks_here=hostfile is None or nodes is not None)
     # --no_local_rank: LOCAL_RANK is in every rank's environment; the argument would come before the command.
     if nodes is not None:
         if hostfile is None or master_addr is None or master_port is None:
@@ -262,6 +259,14 @@ def command(
         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
     ]  # fmt: skip
     return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], f"{workers} ranks via the DeepSpeed launcher", workers * threads)
+
+
+def check_backend(cfg: Config, *, ranks_here: bool) -> None:
+    """Refuse nccl for ranks that would start on this host, which has no CUDA:
+    said before they start, not by each rank through the launcher. (Ranks the
+    runner starts over ssh run on other hosts, which may have it.)"""
+    if ranks_here and cfg.distributed.backend == "nccl" and not machine.cuda_available():
+        raise UserError(NCCL_WITHOUT_CUDA)
 
 
 def _world_info(devices: list[str]) -> str:

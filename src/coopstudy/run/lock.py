@@ -146,10 +146,12 @@ def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
                 continue
             client.set_tag(run_id, schema.TAG_ERROR, reason[: writer.MAX_TAG_CHARS])
             client.set_tag(run_id, schema.TAG_ERROR_KIND, schema.ERROR_KIND_STALE_LOCK)
-            # No traceback: the process that ran it is gone.
-            client.log_text(run_id, reason, schema.ART_ERROR)
             client.set_terminated(run_id, "KILLED")
             ended.append(run_id)
+            # No traceback, the process that ran it being gone; an artifact store
+            # that does not take it must not leave the next dead run RUNNING.
+            with contextlib.suppress(Exception):
+                client.log_text(run_id, reason, schema.ART_ERROR)
     except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices
         print(f"coopstudy: could not end the dead job's runs {', '.join(info.get('runs', []))}: {err}", file=sys.stderr, flush=True)
     return ended

@@ -195,6 +195,8 @@ def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
         if "compressed" not in arms:
             raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+    if "compressed" in arms:
+        launch.check_backend(cfg, ranks_here=args.hostfile is None)
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:

@@ -121,6 +121,8 @@ def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
         if args.arm == "control":
             raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
+    if args.arm != "control":
+        launch.check_backend(cfg, ranks_here=args.hostfile is None or count is not None)
 
 
 def _node_count(cfg: Config, args: argparse.Namespace) -> int | None:

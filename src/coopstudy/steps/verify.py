@@ -71,7 +71,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     book = ledger_mod.Ledger()
     with writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
         # A ledger that cannot take the receipt is refused before the gate's minutes, not after them.
-        book.entries()
+        with book.locked():
+            book.entries()
         result = gate.run_gate(cfg)
         receipt = receipts.gate_receipt(result, cfg)
         digest = receipts.gate_receipt_digest(receipt)
