@@ -190,18 +190,24 @@ def _choice_table(choice: dict[str, dict[str, dict[str, Any]]], cfg: Config) -> 
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     """What probe refuses in its config and arguments, before any work (and under --dry-run)."""
-    arms = {c.arm for c, _ in _candidates(cfg)}
+    _checked_candidates(cfg, args)
+
+
+def _checked_candidates(cfg: Config, args: argparse.Namespace) -> list[tuple[ProbeCandidate, Config]]:
+    """Every refusal of probe's config and arguments; then the candidates, each with its config."""
+    candidates = _candidates(cfg)
+    arms = {c.arm for c, _ in candidates}
     if args.hostfile is not None:
         if "compressed" not in arms:
             raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     if "compressed" in arms:
         launch.check_backend(cfg, ranks_here=args.hostfile is None)
+    return candidates
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    check_arguments(cfg, args)
-    candidates = _candidates(cfg)
+    candidates = _checked_candidates(cfg, args)
     arms = tuple(sorted({c.arm for c, _ in candidates}))
     if args.hostfile is not None:
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)

@@ -116,6 +116,11 @@ class Nodes:
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     """What train refuses in its arguments, before any work (and under --dry-run)."""
+    _checked_node_count(cfg, args)
+
+
+def _checked_node_count(cfg: Config, args: argparse.Namespace) -> int | None:
+    """Every refusal of train's arguments; then how many nodes, or None for a job this host runs whole."""
     count = _node_count(cfg, args)
     if args.hostfile is not None and count is None:
         if args.arm == "control":
@@ -123,6 +128,7 @@ def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
     if args.arm != "control":
         launch.check_backend(cfg, ranks_here=args.hostfile is None or count is not None)
+    return count
 
 
 def _node_count(cfg: Config, args: argparse.Namespace) -> int | None:
@@ -160,9 +166,8 @@ def _node_count(cfg: Config, args: argparse.Namespace) -> int | None:
     return count
 
 
-def _nodes(cfg: Config, args: argparse.Namespace) -> Nodes | None:
-    """The --nodes options (check_arguments refused bad ones first), or None for a job this host runs whole."""
-    count = _node_count(cfg, args)
+def _nodes(cfg: Config, args: argparse.Namespace, count: int | None) -> Nodes | None:
+    """The --nodes options, checked (`count` nodes), or None for a job this host runs whole."""
     if count is None:
         return None
     per_node = cfg.arms.compressed.workers // count
@@ -221,8 +226,7 @@ def train_arm(
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     arms = ARMS if args.arm == "both" else (args.arm,)
-    check_arguments(cfg, args)
-    nodes = _nodes(cfg, args)
+    nodes = _nodes(cfg, args, _checked_node_count(cfg, args))
     if args.hostfile is not None and nodes is None:
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     devices = launch.devices_of(cfg, arms, args.hostfile, nodes=nodes.count if nodes else None)
