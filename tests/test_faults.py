@@ -1030,6 +1030,9 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "a family name misspelt": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "data.families=[gcdd]"), "data.families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
     "--set with no =": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train.lr"), "override 'train.lr': expected key=value"),
+    # Before, `--set` with nothing after it ran the step on the preset alone.
+    "--set with nothing after it": (lambda tmp: ("prepare", "--preset", "tiny", "--set"), "argument --set: expected at least one argument"),
+    "--set followed by an option": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "--dry-run"), "argument --set: expected at least one argument"),
     "--set with an empty key part": (lambda tmp: ("prepare", "--preset", "tiny", "--set", "train..lr=1"), "override 'train..lr=1': expected key=value"),
     "report --out ''": (lambda tmp: ("report", "--preset", "tiny", "--out", ""), "--out: an empty path"),
     # The hint names the preset as it was given: a file outside configs/ by its path.

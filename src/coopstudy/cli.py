@@ -54,7 +54,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--set",
         dest="overrides",
         action="extend",
-        nargs="*",
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
         help="override config values, e.g. --set train.lr=1e-4 data.tasks_per_family=32; a value with "
