@@ -22,9 +22,8 @@ from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store
 
-SEED = "seed"
-"""The model every arm starts from, scored beside the two candidates."""
-MODELS = (SEED, *ARMS)
+MODELS = (schema.MODEL_NAME_SEED, *ARMS)
+"""The models evaluate scores: the seed every arm starts from, and the two candidates."""
 
 # Tidy column -> tracked metric name; the tables speak the analysis' names,
 # the store speaks tracking's.
@@ -146,7 +145,10 @@ def phases(dense_updates: int, updates: int) -> dict[str, list[int]]:
     The control arm has no phases of its own; its same updates (the same
     documents) are set beside the compressed arm's. An empty phase is left out.
     """
-    spans = {"dense": range(1, min(dense_updates, updates) + 1), "compressed": range(dense_updates + 1, updates + 1)}
+    spans = {
+        schema.PHASE_DENSE: range(1, min(dense_updates, updates) + 1),
+        schema.PHASE_COMPRESSED: range(dense_updates + 1, updates + 1),
+    }
     return {name: list(steps) for name, steps in spans.items() if len(steps)}
 
 
@@ -212,7 +214,7 @@ def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
     expected = dict(candidates)
     seeds = {run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
     if len(seeds) == 1 and None not in seeds:
-        expected[SEED] = seeds.pop()
+        expected[schema.MODEL_NAME_SEED] = seeds.pop()
     for model, sha in expected.items():
         run = runs[evaluate_role(model)]
         scored = run.data.tags.get(schema.TAG_CHECKPOINT_SHA)

@@ -249,10 +249,10 @@ def resource_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ("cores other processes kept busy (quiet: 0)", "others_cores", 2),
         ("CPU seconds the hypervisor stole", "steal_seconds", 1),
     ]
-    rows = [[label, _count(arms["control"].get(key), d), _count(arms["compressed"].get(key), d)] for label, key, d in lines]
+    rows = [[label, *(_count(arms[arm].get(key), d) for arm in ARMS)] for label, key, d in lines]
     ratio = report["resources"]["device_seconds_ratio"]
     rows.append(["device-seconds, compressed / control", "", "n/a" if ratio is None else f"{ratio:.3f}"])
-    return ["figure (decides nothing)", "control", "compressed"], rows
+    return ["figure (decides nothing)", *ARMS], rows
 
 
 def breakdown_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

@@ -29,7 +29,11 @@ from coopstudy.errors import ConfigError
 
 PRESET_DIR = "configs"
 """Presets are `<project>/configs/<name>.yaml` (coopstudy.workspace.project_root)."""
-ARMS = ("control", "compressed")
+CONTROL = "control"
+"""The control arm: one worker, dense gradients."""
+COMPRESSED = "compressed"
+"""The compressed arm: two or more DDP workers, PowerSGD after the dense updates."""
+ARMS = (CONTROL, COMPRESSED)
 """The study's two arms, in the order they train and report."""
 Arm = Literal[ARMS]
 ALLOCATORS = ("default", "expandable")

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from coopstudy import scoring, ui
-from coopstudy.config import INT_CEILING, Config
+from coopstudy.config import COMPRESSED, INT_CEILING, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
@@ -139,7 +139,7 @@ def _screens(cfg: Config, seed: scoring.Scored, trained: scoring.Scored) -> tupl
     from analysis import screens as sc
 
     # The screens read the candidate under the compressed arm's name.
-    cases, retention = _frames({"seed": seed, "compressed": trained})
+    cases, retention = _frames({schema.MODEL_NAME_SEED: seed, COMPRESSED: trained})
     return sc.accuracy_gain(cases, cfg.screens), sc.retention(retention, cfg.screens)
 
 

@@ -125,9 +125,8 @@ STEPS: tuple[Step, ...] = (
     Step("verify", "verify", still_valid=_gate_ok),
     Step("probe", "probe", ("prepare", "verify"), still_valid=_probes_ok),
     Step("plan", "plan", ("prepare", "verify", "probe"), still_valid=_plan_ok),
-    Step("train-control", "train", ("plan",), ("--arm", "control"), _checkpoint_ok),
-    Step("train-compressed", "train", ("plan",), ("--arm", "compressed"), _checkpoint_ok),
-    Step("select", "select", ("train-control", "train-compressed"), still_valid=_under_plan_ok),
+    *(Step(f"train-{arm}", "train", ("plan",), ("--arm", arm), _checkpoint_ok) for arm in ARMS),
+    Step("select", "select", tuple(f"train-{arm}" for arm in ARMS), still_valid=_under_plan_ok),
     Step("evaluate", "evaluate", ("select",), still_valid=_under_plan_ok),
     Step("report", "report", ("evaluate",), still_valid=_under_plan_ok),
 )
@@ -238,7 +237,7 @@ def selected_steps(through: str, arm: str) -> list[Step]:
     """The steps up to `through`; stopping at training runs only --arm's arms."""
     if through != "train":
         return list(STEPS[: STEP_NAMES.index(through) + 1])
-    chosen = STEPS[: STEP_NAMES.index("train-compressed") + 1]
+    chosen = STEPS[: STEP_NAMES.index(f"train-{ARMS[-1]}") + 1]
     return [s for s in chosen if arm == "both" or not s.name.startswith("train-") or s.name == f"train-{arm}"]
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from analysis import records
 from coopstudy.commit import require
-from coopstudy.config import Config
+from coopstudy.config import COMPRESSED, CONTROL, Config
 from coopstudy.errors import UserError
 from coopstudy.numerics import flops
 from coopstudy.record import schema, writer
@@ -158,16 +158,16 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
                     metrics[f"{schema.M_BENCH_READY_MEMORY_PREFIX}{arm}"] = ready[0]
                     metrics[f"{schema.M_BENCH_READY_MEMORY_LOW_PREFIX}{arm}"] = min(ready[1:])
             if len(results) == 2:
-                split = cfg.arm("compressed").workers / cfg.arm("control").workers
-                theirs = results["control"]["per_update"]["forward_backward"]
-                by_rank = results["compressed"]["summary"]["times_by_rank"]
+                split = cfg.arm(COMPRESSED).workers / cfg.arm(CONTROL).workers
+                theirs = results[CONTROL]["per_update"]["forward_backward"]
+                by_rank = results[COMPRESSED]["summary"]["times_by_rank"]
 
                 def rest(k: int) -> float:
                     return by_rank[0]["optimizer"][k - 1] + by_rank[0]["other"][k - 1]
 
                 for phase, steps in phases.items():
-                    control = medians[(phase, "control", "update")]
-                    metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, "compressed", "update")]
+                    control = medians[(phase, CONTROL, "update")]
+                    metrics[f"{schema.M_BENCH_ARMS_RATIO_PREFIX}{phase}"] = control / medians[(phase, COMPRESSED, "update")]
                     # Free communication and recording: the slowest rank's compute, rank 0's optimizer and rest.
                     ideal = _median([max(r["forward_backward"][k - 1] for r in by_rank) + rest(k) for k in steps])
                     metrics[f"{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}"] = control / ideal
@@ -206,8 +206,8 @@ def _arms_tables(cfg, console, results, phases, medians, metrics, peaks, after, 
             add(table, "compute-only ideal ratio", f"{metrics[f'{schema.M_BENCH_ARMS_IDEAL_PREFIX}{phase}']:.3f}x", "")
             add(table, "ratio if forward/backward split exactly", f"{metrics[f'{schema.M_BENCH_ARMS_SPLIT_PREFIX}{phase}']:.3f}x", "")
         console.print(table)
-    if "compressed" in results:
-        by_rank = results["compressed"]["summary"]["times_by_rank"]
+    if COMPRESSED in results:
+        by_rank = results[COMPRESSED]["summary"]["times_by_rank"]
         table = Table(title="compressed arm by rank: median s/update, all updates")
         table.add_column("rank")
         columns = ("forward_backward", "communication", "communication_arithmetic", "optimizer", "other", "system")

@@ -74,9 +74,7 @@ from coopstudy import machine
 from coopstudy.config import Config
 from coopstudy.errors import NCCL_WITHOUT_CUDA, UserError
 from coopstudy.numerics import onednn
-
-DENSE = "dense"
-COMPRESSED = "compressed"
+from coopstudy.record import schema
 
 MIN_COMPRESSION_RATE = 1.0
 """A matrix is compressed when its rank-r factors, (n+m)·r elements, are
@@ -289,11 +287,12 @@ class ByteCounter:
         return done
 
     def totals(self) -> ByteTotals:
-        by_phase = {DENSE: 0, COMPRESSED: 0}
+        by_phase = {schema.PHASE_DENSE: 0, schema.PHASE_COMPRESSED: 0}
         for u in self.updates:
             if u.phase is not None:
                 by_phase[u.phase] += u.gradient_bytes
-        return ByteTotals(by_phase[DENSE], by_phase[COMPRESSED], sum(u.scalar_bytes for u in self.updates), self.setup_bytes)
+        scalars = sum(u.scalar_bytes for u in self.updates)
+        return ByteTotals(by_phase[schema.PHASE_DENSE], by_phase[schema.PHASE_COMPRESSED], scalars, self.setup_bytes)
 
 
 @dataclass(frozen=True)
@@ -547,17 +546,17 @@ def _counting_hook(counter: ByteCounter, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     state = counter.powersgd
     if state is None:
-        counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+        counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size(), collectives=1)
         fut = default_hooks.allreduce_hook(None, bucket)
     else:
         # The same test powersgd_hook makes before it decides (and before it
         # increments state.iter): dense while iter < start_powerSGD_iter.
         if state.iter < state.start_powerSGD_iter:
-            counter.add_gradient(DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+            counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size(), collectives=1)
         else:
             plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
             # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
-            counter.add_gradient(COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
+            counter.add_gradient(schema.PHASE_COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
         fut = powersgd_hook(state, bucket, counter.add_arithmetic_seconds)
 
     def timed(done: torch.futures.Future) -> torch.Tensor:

@@ -211,6 +211,10 @@ ART_BENCH_TABLE = "bench_objective.json"
 """On the bench run: the printed table, one row per quantity (MLflow table)."""
 
 # --- bench arms (python -m coopstudy bench arms) -----------------------------
+PHASE_DENSE = "dense"
+"""Updates 1 to `powersgd.dense_updates`, where every arm all-reduces whole gradients (in `bench/arms/` names and `bytes/dense_total`)."""
+PHASE_COMPRESSED = "compressed"
+"""The updates after the dense ones, where the compressed arm sends PowerSGD factors (in `bench/arms/` names and `bytes/compressed_total`)."""
 M_BENCH_ARMS_PREFIX = "bench/arms/"
 """+ phase (dense|compressed) + / + arm + / + part, on the bench-arms-<preset> parent run: the median over
 that phase's updates of rank 0's seconds per update; part is update, forward_backward, comm,
@@ -391,6 +395,8 @@ TAG_CANDIDATE_PREFIX = "coopstudy.candidate."
 """+ arm, on the select run and the evaluate parent: the sha256 of that arm's selected final weights."""
 TAG_MODEL = "coopstudy.model"
 """On an evaluate child run, and on the logged model it logs: the model it scored, seed, control or compressed."""
+MODEL_NAME_SEED = "seed"
+"""The value of `coopstudy.model` for the seed model, which evaluate scores beside the arms' models (each named by its arm)."""
 MODEL_TYPE_CHECKPOINT = "checkpoint"
 """The type of the logged model (the *Models* tab) each evaluate child run logs, named seed, control or compressed:
 its params are the MODEL_PARAM_* below, its tag `coopstudy.model`, its metrics the run's `eval/*` (one value each), each
@@ -453,6 +459,8 @@ _KINDS = (
     ("OUTCOME_", "outcome value"),
     ("ERROR_KIND_", "error kind value"),
     ("MODEL_PARAM_", "logged-model param"),
+    ("MODEL_NAME_", "tag value"),
+    ("PHASE_", "phase name"),
     ("MODEL_", "logged-model type"),
 )
 """Constant prefix -> the kind the README shows. A constant with any other

@@ -47,7 +47,7 @@ import psutil
 
 from coopstudy import config as config_mod
 from coopstudy import machine, workspace
-from coopstudy.config import TRAINING_ALLOCATOR, Config
+from coopstudy.config import COMPRESSED, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import INTERRUPTED, NCCL_WITHOUT_CUDA, UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import one_host_launcher
@@ -526,7 +526,7 @@ def _loaded_said(label: str, done: Exit) -> str | None:
 def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nodes: int | None = None) -> list[str]:
     found: set[str] = set()
     for arm in arms:
-        multi = arm == "compressed"
+        multi = arm == COMPRESSED
         found.update(local_devices(cfg.arm(arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
     return sorted(found)
 

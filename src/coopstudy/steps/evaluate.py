@@ -61,14 +61,14 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         if not prepared.retention:
             raise UserError(f"the retention probes in {prepared.folder} are empty; nothing to score")
         seed = resolve_seed(cfg)
-        models = {"seed": (seed.path, seed.sha256)} | {
+        models = {schema.MODEL_NAME_SEED: (seed.path, seed.sha256)} | {
             arm: (c.path, c.sha256) for arm, c in selection.candidates.items()
         }
         # Every model is checked before any is scored: a bad candidate should
         # not surface after the seed's minutes of generation.
         tokenizers = {name: scoring.load_tokenizer(path, name) for name, (path, _) in models.items()}
         for name, (path, _) in models.items():
-            scoring.check_tokenizer(tokenizers[name], tokenizers["seed"], name)
+            scoring.check_tokenizer(tokenizers[name], tokenizers[schema.MODEL_NAME_SEED], name)
             scoring.check_weights(path, name)
 
         files = prepared.manifest["files"]

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger, receipts, require, sources
-from coopstudy.config import Config, ProbeCandidate, from_dict
+from coopstudy.config import COMPRESSED, Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
@@ -121,7 +121,7 @@ def _run_candidate(
         ) as rec:
             cmd = launch.command(
                 cand_cfg, cand.arm, rec.run_id,
-                hostfile=hostfile if cand.arm == "compressed" else None,
+                hostfile=hostfile if cand.arm == COMPRESSED else None,
                 allocator=cand.allocator, updates=cfg.probe.updates, checkpoint=False, probe=True, capacity_mb=capacity,
             )
             done = launch.run(cmd, launch.worker_environment(cand_cfg, rec.run_id, allocator=cand.allocator), label=f"probe {name}")
@@ -198,10 +198,10 @@ def _checked_candidates(cfg: Config, args: argparse.Namespace) -> list[tuple[Pro
     candidates = _candidates(cfg)
     arms = {c.arm for c, _ in candidates}
     if args.hostfile is not None:
-        if "compressed" not in arms:
+        if COMPRESSED not in arms:
             raise UserError("--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate")
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
-    if "compressed" in arms:
+    if COMPRESSED in arms:
         launch.check_backend(cfg, ranks_here=args.hostfile is None)
     return candidates
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from coopstudy import errors
 from coopstudy.commit import require
-from coopstudy.config import ARMS, Config, set_arguments
+from coopstudy.config import ARMS, COMPRESSED, CONTROL, Config, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import launch, lock
@@ -123,10 +123,10 @@ def _checked_node_count(cfg: Config, args: argparse.Namespace) -> int | None:
     """Every refusal of train's arguments; then how many nodes, or None for a job this host runs whole."""
     count = _node_count(cfg, args)
     if args.hostfile is not None and count is None:
-        if args.arm == "control":
+        if args.arm == CONTROL:
             raise UserError(f"--hostfile: only the compressed arm runs on several hosts (got --arm {args.arm})")
         launch.check_hostfile(args.hostfile, cfg.arms.compressed.workers)
-    if args.arm != "control":
+    if args.arm != CONTROL:
         launch.check_backend(cfg, ranks_here=args.hostfile is None or count is not None)
     return count
 
@@ -144,7 +144,7 @@ def _node_count(cfg: Config, args: argparse.Namespace) -> int | None:
     workers = cfg.arms.compressed.workers
     if count < 1:
         raise UserError(f"--nodes {count}: a job runs on at least 1 host")
-    if args.arm != "compressed":
+    if args.arm != COMPRESSED:
         raise UserError(f"--nodes {count}: only the compressed arm runs on several hosts (got --arm {args.arm})")
     if workers % count:
         raise UserError(f"--nodes {count}: the compressed arm's {workers} workers do not split over {count} hosts")
@@ -176,7 +176,7 @@ def _nodes(cfg: Config, args: argparse.Namespace, count: int | None) -> Nodes | 
 
 
 def _join_command(args: argparse.Namespace, nodes: Nodes, run_id: str, rank: int) -> str:
-    words = ["python", "-m", "coopstudy", "train", "--preset", str(args.preset), "--arm", "compressed"]
+    words = ["python", "-m", "coopstudy", "train", "--preset", str(args.preset), "--arm", COMPRESSED]
     words += set_arguments(args.overrides)
     if args.hostfile is not None:
         words += ["--hostfile", str(args.hostfile)]
@@ -197,7 +197,7 @@ def train_arm(
             master_addr=nodes.master_addr, master_port=nodes.master_port,
         )  # fmt: skip
     else:
-        cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == "compressed" else None)
+        cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == COMPRESSED else None)
     print(f"train {arm}: {cmd.how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
     done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"train {arm}", held=held)
     device_seconds = workers * done.complete_seconds
@@ -295,7 +295,7 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
         raise UserError(f"--run-id {run_id}: no such run in the record {store.tracking_uri()}; copy the id node 0 printed") from None
     try:
         tags = run.data.tags
-        if (tags.get(schema.TAG_STAGE), tags.get(schema.TAG_ARM)) != (schema.STAGE_TRAIN, "compressed"):
+        if (tags.get(schema.TAG_STAGE), tags.get(schema.TAG_ARM)) != (schema.STAGE_TRAIN, COMPRESSED):
             raise UserError(f"--run-id {run_id} is not a train run of the compressed arm")
         if run.info.status != "RUNNING":
             raise UserError(f"--run-id {run_id} is {run.info.status}, not RUNNING: start node 0 again and join the run it prints")
@@ -309,7 +309,7 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
             if tags.get(schema.TAG_PLAN) != sha:
                 raise UserError(f"node {nodes.rank}'s plan is {sha[:12]}, run {run_id} trains under {tags.get(schema.TAG_PLAN, '?')[:12]}")
             cmd = launch.command(
-                cfg, "compressed", run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=nodes.rank,
+                cfg, COMPRESSED, run_id, hostfile=nodes.hostfile, nodes=nodes.count, node_rank=nodes.rank,
                 master_addr=nodes.master_addr, master_port=nodes.master_port,
             )  # fmt: skip
             print(f"train compressed: {cmd.how}, run {run_id}", flush=True)
