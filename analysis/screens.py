@@ -28,6 +28,8 @@ RETENTION = "retention"
 NONINFERIORITY = "noninferiority"
 ACTIVE_SPEEDUP = "active_speedup"
 COMPLETE_SPEEDUP = "complete_speedup"
+GROUPS = {QUALITY: (ACCURACY_GAIN, RETENTION, NONINFERIORITY), SPEED: (ACTIVE_SPEEDUP, COMPLETE_SPEEDUP)}
+"""The screens each verdict needs, every one of them passed."""
 
 # Units tell the report how to print a number: accuracy differences in
 # percentage points, NLL in nats, speedups as ratios.
@@ -436,12 +438,10 @@ def compute(cases: pd.DataFrame, retention_table: pd.DataFrame, train: pd.DataFr
 
 
 def verdicts(screens: list[Screen]) -> dict[str, str]:
-    """Quality and speed verdicts: a group passes only when every one of its screens does."""
-    out = {}
-    for group in (QUALITY, SPEED):
-        members = [s for s in screens if s.group == group]
-        out[group] = "pass" if members and all(s.passed for s in members) else "fail"
-    return out
+    """Quality and speed verdicts: a group passes only when every one of its
+    screens is there and passed; a screen left out fails its group."""
+    passed = {s.name for s in screens if s.passed}
+    return {group: "pass" if passed.issuperset(names) else "fail" for group, names in GROUPS.items()}
 
 
 def _number(value: Any) -> float | None:

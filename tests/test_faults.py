@@ -958,6 +958,20 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.min_accuracy_gain=-1"),
         "screens.min_accuracy_gain: Input should be greater than -1",
     ),
+    # Before, each was planned, and the retention or non-inferiority screen passed
+    # a model whose NLL rose by 7 nats per token.
+    "a retention threshold every run passes": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.retention_max_nll_increase=1e9"),
+        "screens.retention_max_nll_increase: Input should be less than or equal to 1",
+    ),
+    "a one-sided level whose bound falls below the mean": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.retention_level=0.01"),
+        "screens.retention_level: Input should be greater than or equal to 0.5",
+    ),
+    "an interval level that shrinks the interval onto the estimate": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "screens.interval_level=0.001"),
+        "screens.interval_level: Input should be greater than or equal to 0.5",
+    ),
     "--nodes 0": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
     "an empty --master-addr": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "0", "--master-addr", "", "--master-port", "29600"),

@@ -19,7 +19,7 @@ import mlflow
 import pytest
 from fixtures import faults_of_a_large_tensor_made_again
 
-from coopstudy import config, machine
+from coopstudy import config, machine, workspace
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
@@ -232,7 +232,9 @@ def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
     assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and "died without releasing device testdev" in run.data.tags[schema.TAG_ERROR]
-    # Released cleanly this time: the next job takes it without a word.
+    # Released cleanly this time: the holder emptied the file (this process's
+    # own pid in it would be taken without a word, emptied or not).
+    assert [p.read_text() for p in (workspace.home() / "locks").glob("*testdev.lock")] == [""]
     with lock.device_lock(["testdev"], "and the next"):
         pass
     assert capsys.readouterr().err == ""

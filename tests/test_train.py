@@ -239,7 +239,11 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     # What rank 0 measured before it failed (update 1 at least) reached the run.
     assert 1 <= len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
     assert schema.TAG_CHECKPOINT_SHA not in failed.data.tags
-    # Nothing keeps the devices once the job is gone, and it left nothing to recover.
+    # Nothing keeps the devices once the job is gone, and it left nothing to
+    # recover: its lock files are empty (a holder left in one would be taken
+    # as stale, with only a line on stderr).
+    locks = list((workspace.home() / "locks").glob("*.lock"))
+    assert locks and all(p.read_text() == "" for p in locks), {p.name: p.read_text() for p in locks}
     with lock.device_lock(launch.local_devices(2), "after"):
         pass
     assert not (workspace.home() / "checkpoints" / run.info.run_id).exists()

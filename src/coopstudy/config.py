@@ -247,16 +247,19 @@ class BudgetConfig(_Section):
 
 
 class ScreensConfig(_Section):
-    """Thresholds of the pre-registered screens. Those of accuracy and speed
-    are bounded so that no threshold passes every run: an accuracy difference
-    lies in [-1, 1] and a speedup above 0."""
+    """Thresholds of the pre-registered screens, bounded so that no setting
+    passes every run: an accuracy difference lies in [-1, 1], a speedup above
+    0, and a confidence level below a half puts the bound on the wrong side
+    of the estimate (one-sided) or shrinks the interval onto it."""
 
     min_accuracy_gain: float = Field(0.10, gt=-1, lt=1)
-    retention_max_nll_increase: float = 0.02
-    retention_level: float = Field(0.99, gt=0, lt=1)
+    retention_max_nll_increase: float = Field(0.02, le=1)
+    """Per-token nats; at most 1: a model whose tokens became e times less
+    likely has forgotten, whatever its interval says."""
+    retention_level: float = Field(0.99, ge=0.5, lt=1)
     noninferiority_margin: float = Field(-0.03, gt=-1, le=0)
     """At most 0: a margin above it asks for superiority, not non-inferiority."""
-    interval_level: float = Field(0.95, gt=0, lt=1)
+    interval_level: float = Field(0.95, ge=0.5, lt=1)
     min_speedup: float = Field(1.10, gt=0)
 
 
