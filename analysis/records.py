@@ -169,10 +169,25 @@ def _newest_finished(experiment: str, tags: dict[str, str]):
     return found[0] if found else None
 
 
-def _selected_train_run(client, run_id: str, arm: str, key: StudyKey):
+def _selected_train_run(client, select_run, arm: str, key: StudyKey):
+    """The train run select took for `arm`: FINISHED, under the study's key,
+    and the one whose weights select committed, or a refusal."""
+    tags = select_run.data.tags
+    run_id = tags.get(schema.TAG_CANDIDATE_RUN_PREFIX + arm)
+    if not run_id:
+        raise RefusedError(
+            f"select run {select_run.info.run_id} names no train run for arm {arm} (no {schema.TAG_CANDIDATE_RUN_PREFIX + arm} tag); "
+            "select again"
+        )
     run = client.get_run(run_id)
     if run.info.status != "FINISHED" or run.data.tags.get(key.tag) != key.value:
         raise RefusedError(f"the select run names train run {run_id} for arm {arm}, but it is {run.info.status}, not a FINISHED run under {key}")
+    trained, committed = run.data.tags.get(schema.TAG_CHECKPOINT_SHA), tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
+    if trained != committed:
+        raise RefusedError(
+            f"train run {run_id} of arm {arm} left weights {str(trained)[:12]}, but select run {select_run.info.run_id} "
+            f"committed {str(committed)[:12]}; select again"
+        )
     return run
 
 
@@ -190,14 +205,11 @@ def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
             runs[role] = run
 
     newest(SELECT_ROLE, {schema.TAG_STAGE: schema.STAGE_SELECT}, "select run")
-    for arm in ARMS:
+    if SELECT_ROLE in runs:
         # The train run whose weights were selected, and so evaluated, is the
         # one to time: a later rerun of that arm is evidence, not the result.
-        chosen = runs[SELECT_ROLE].data.tags.get(schema.TAG_CANDIDATE_RUN_PREFIX + arm) if SELECT_ROLE in runs else None
-        if chosen:
-            runs[train_role(arm)] = _selected_train_run(client, chosen, arm, key)
-        else:
-            newest(train_role(arm), {schema.TAG_STAGE: schema.STAGE_TRAIN, schema.TAG_ARM: arm}, f"train run for arm {arm}")
+        for arm in ARMS:
+            runs[train_role(arm)] = _selected_train_run(client, runs[SELECT_ROLE], arm, key)
     for model in MODELS:
         newest(
             evaluate_role(model),
@@ -212,15 +224,17 @@ def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
 def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
     """Each evaluated model must be the selected one (and the seed the one both arms started from)."""
     expected = dict(candidates)
-    seeds = {run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
-    if len(seeds) == 1 and None not in seeds:
-        expected[schema.MODEL_NAME_SEED] = seeds.pop()
+    seeds = {run.info.run_id: run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
+    if len(set(seeds.values())) != 1 or None in seeds.values():
+        said = ", ".join(f"{run_id} {str(sha)[:12]}" for run_id, sha in seeds.items())
+        raise RefusedError(f"the selected train runs did not start from one recorded seed ({said}); the arms are not comparable")
+    expected[schema.MODEL_NAME_SEED] = next(iter(seeds.values()))
     for model, sha in expected.items():
         run = runs[evaluate_role(model)]
         scored = run.data.tags.get(schema.TAG_CHECKPOINT_SHA)
-        if scored is not None and scored != sha:
+        if scored != sha:
             raise RefusedError(
-                f"evaluate run {run.info.run_id} scored {model} weights {scored[:12]}, not the committed {sha[:12]}; evaluate again"
+                f"evaluate run {run.info.run_id} scored {model} weights {str(scored)[:12]}, not the committed {sha[:12]}; evaluate again"
             )
 
 

@@ -326,7 +326,7 @@ def test_plan_groups_the_study(tiny):
     with pytest.raises(RefusedError, match="plan cdcdcdcdcdcd: no FINISHED plan run in experiment 'coopstudy' holds it"):
         records.load(tiny, "cd" * 32)
     _plan_run(tiny, "cd" * 32)
-    with pytest.raises(RefusedError, match="no FINISHED train run for arm control"):
+    with pytest.raises(RefusedError, match="no FINISHED select run"):
         records.load(tiny, "cd" * 32)
 
 
@@ -346,6 +346,49 @@ def test_evaluated_weights_must_be_the_selected_ones(tiny):
     with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_MODEL: "compressed", schema.TAG_CHECKPOINT_SHA: "ee" * 32}):
         pass
     with pytest.raises(RefusedError, match="scored compressed weights eeeeeeeeeeee, not the committed c1c1c1c1c1c1"):
+        records.load(tiny)
+
+
+def _newer_select(cfg, ids: dict[str, str], **changed: str | None) -> None:
+    """A select run made after the study's, its tags those of make_study's changed as given (None drops one)."""
+    tags = {schema.TAG_CANDIDATE_PREFIX + arm: sha for arm, sha in CANDIDATE.items()}
+    tags |= {schema.TAG_CANDIDATE_RUN_PREFIX + arm: ids[f"train/{arm}"] for arm in CANDIDATE}
+    for tag, value in changed.items():
+        tags.pop(tag) if value is None else tags.update({tag: value})
+    with writer.stage_run(schema.STAGE_SELECT, cfg, tags=tags):
+        pass
+
+
+def test_the_timed_train_runs_are_the_ones_select_committed(tiny):
+    # Before, a select run without the tag had the newest train run of the arm
+    # timed, whatever weights it left; and a train run's weights were never
+    # compared with the ones select committed.
+    ids = make_study(tiny)
+    _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": None})
+    with pytest.raises(RefusedError, match=r"select run \w+ names no train run for arm control \(no coopstudy.candidate_run.control tag\); select again"):
+        records.load(tiny)
+    _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": ids["train/compressed"]})
+    with pytest.raises(RefusedError, match=f"train run {ids['train/compressed']} of arm control left weights c1c1c1c1c1c1, but select run \\w+ committed "):
+        records.load(tiny)
+
+
+def test_train_runs_from_two_seeds_are_refused(tiny):
+    # Before, the seed's evaluate run was then not checked against any seed.
+    ids = make_study(tiny)
+    tags = {schema.TAG_CHECKPOINT_SHA: CANDIDATE["compressed"], schema.TAG_SEED_SHA: "5f" * 32}
+    with writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed", tags=tags) as rec:
+        other = rec.run_id
+    _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "compressed": other})
+    with pytest.raises(RefusedError, match=f"did not start from one recorded seed \\({ids['train/control']} 5e5e5e5e5e5e, {other} 5f5f5f5f5f5f\\)"):
+        records.load(tiny)
+
+
+def test_an_evaluate_run_that_names_no_weights_is_refused(tiny):
+    # Before, an evaluate run without its weights' hash passed as the committed one.
+    make_study(tiny)
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_MODEL: "seed"}):
+        pass
+    with pytest.raises(RefusedError, match="scored seed weights None, not the committed 5e5e5e5e5e5e; evaluate again"):
         records.load(tiny)
 
 
