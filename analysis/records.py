@@ -12,7 +12,7 @@ run id it came from, so each number in the report traces back to its run.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -133,6 +133,11 @@ class Records:
     """One row per model and test case: model, run_id, case_id, family, score, correct."""
     retention: pd.DataFrame
     """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
+    attempts: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per train run under the study's key, whatever its status, oldest
+    first: arm, run_id, status, active_seconds, complete_seconds (NaN when not
+    logged), timed (the run select took, whose seconds the screens use). Every
+    attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     inputs: dict[str, Any] | None = None
     """What the prepare run that made the train runs' inputs says of them
     (INPUT_SECTIONS of its manifest, its run id and the inputs sha); None when
@@ -273,6 +278,21 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
     return frame
 
 
+def _attempts(experiment: str, key: StudyKey, timed: dict[str, str]) -> pd.DataFrame:
+    """Every train run of each arm under `key`, oldest first (see Records.attempts)."""
+    rows = []
+    for arm in ARMS:
+        flt = f"tags.`{key.tag}` = '{key.value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}'"
+        for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
+            metrics = run.data.metrics
+            rows.append(
+                {"arm": arm, "run_id": run.info.run_id, "status": run.info.status}
+                | {c: metrics.get(RUN_METRICS[c], float("nan")) for c in REQUIRED_RUN_METRICS}
+                | {"timed": run.info.run_id == timed[arm]}
+            )
+    return pd.DataFrame(rows, columns=["arm", "run_id", "status", *REQUIRED_RUN_METRICS, "timed"])
+
+
 def _train_row(arm: str, run) -> dict[str, Any]:
     metrics = run.data.metrics
     missing = [RUN_METRICS[c] for c in REQUIRED_RUN_METRICS if RUN_METRICS[c] not in metrics]
@@ -406,6 +426,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     train_runs = {arm: runs[train_role(arm)] for arm in ARMS}
     updates = pd.concat([_update_table(client, arm, run.info.run_id) for arm, run in train_runs.items()], ignore_index=True)
     train = pd.DataFrame([_train_row(arm, run) for arm, run in train_runs.items()])
+    attempts = _attempts(cfg.experiment, key, {arm: run.info.run_id for arm, run in train_runs.items()})
 
     eval_ids = {model: runs[evaluate_role(model)].info.run_id for model in MODELS}
     cases = pd.concat([_case_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
@@ -420,6 +441,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         candidates=candidates,
         updates=updates,
         train=train,
+        attempts=attempts,
         cases=cases,
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),

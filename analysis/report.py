@@ -142,6 +142,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
                 "config_sha256": store.config_sha256(cfg),
             },
             "runs": dict(sorted(records.runs.items())),
+            "train_attempts": records.attempts.to_dict("records"),
             "candidates": dict(sorted(records.candidates.items())),
             "thresholds": cfg.screens.model_dump(),
             "verdicts": sc.verdicts(screens),
@@ -300,6 +301,26 @@ def run_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["role", "run id / sha256"], rows
 
 
+def attempt_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = [
+        [a["arm"], a["run_id"], a["status"], _count(a["active_seconds"]), _count(a["complete_seconds"]), "yes" if a["timed"] else ""]
+        for a in report["train_attempts"]
+    ]
+    return ["arm", "train run", "status", "active s", "complete s", "timed by the screens"], rows
+
+
+def attempts_line(report: dict[str, Any]) -> str:
+    """How many train runs each arm made under the study, said beside the speed screens."""
+    counts = {arm: sum(a["arm"] == arm for a in report["train_attempts"]) for arm in ARMS}
+    if all(n == 1 for n in counts.values()):
+        return "Each arm trained once under this study; the speed screens time those runs."
+    said = ", ".join(f"{arm} {n}" for arm, n in counts.items())
+    return (
+        f"Train runs under this study: {said}. The speed screens time only the run select took; "
+        "every other attempt, finished or not, is listed here as evidence."
+    )
+
+
 def _screen(report: dict[str, Any], name: str) -> dict[str, Any]:
     return next(s for s in report["screens"] if s["name"] == name)
 
@@ -400,6 +421,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         _md_table(*accuracy_rows(report)),
         "## Paired outcomes of the non-inferiority test",
         _md_table(*paired_rows(report)),
+        "## Train runs under this study",
+        attempts_line(report),
+        _md_table(*attempt_rows(report)),
         "## Runs",
         _md_table(*run_rows(report)),
     ]
@@ -547,6 +571,9 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         "<h2>Plots</h2>",
         *(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>"
           for title, data in plots.items()),
+        "<h2>Train runs under this study</h2>",
+        f"<p>{html.escape(attempts_line(report))}</p>",
+        _html_table(*attempt_rows(report)),
         "<h2>Runs</h2>",
         _html_table(*run_rows(report)),
         "</body></html>",

@@ -14,6 +14,7 @@ import pytest
 from fixtures import ROOT
 
 from analysis import records
+from analysis import screens as sc
 from coopstudy import cli as cli_main
 from coopstudy import config
 from coopstudy.commit import sources
@@ -390,6 +391,32 @@ def test_an_evaluate_run_that_names_no_weights_is_refused(tiny):
         pass
     with pytest.raises(RefusedError, match="scored seed weights None, not the committed 5e5e5e5e5e5e; evaluate again"):
         records.load(tiny)
+
+
+def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(capsys, tiny, tmp_path):
+    # Before, a compressed arm trained again until it was fast enough showed
+    # only the run select took: the slower and failed attempts were nowhere.
+    ids = make_study(tiny)
+    faster = _train(tiny, "compressed", active=20.0, complete=30.0, plan=None)
+    with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed"):
+        raise RuntimeError("rank 1 died")
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    report = json.loads((tmp_path / schema.ART_REPORT_JSON).read_text())
+    attempts = [(a["arm"], a["run_id"] == ids[f"train/{a['arm']}"], a["status"], a["active_seconds"], a["timed"]) for a in report["train_attempts"]]
+    assert attempts == [
+        ("control", True, "FINISHED", 60.0, True),
+        ("compressed", True, "FINISHED", 40.0, True),
+        ("compressed", False, "FINISHED", 20.0, False),
+        ("compressed", False, "FAILED", None, False),
+    ]
+    assert faster in [a["run_id"] for a in report["train_attempts"]]
+    # The screens still time the run select took.
+    assert sc.ACTIVE_SPEEDUP in {s["name"] for s in report["screens"] if ids["train/compressed"] in s["run_ids"].values()}
+    said = "Train runs under this study: control 1, compressed 3. The speed screens time only the run select took"
+    assert said in " ".join(out.split())
+    md = (tmp_path / "report.md").read_text()
+    assert said in md and f"| compressed | {faster} | FINISHED | 20.0 | 30.0 |  |" in md
 
 
 def test_plan_argument_must_be_a_sha(tiny):
