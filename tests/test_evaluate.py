@@ -5,6 +5,7 @@ per-document computation, and the evaluate step on the tiny preset."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,6 +267,26 @@ def selected(prepared_tiny, planned):
     return cfg
 
 
+@pytest.fixture
+def selected_apart(prepared_tiny, planned, tmp_path):
+    """As `selected`, but the compressed arm's checkpoint is the seed with its
+    final norm scaled: weights evaluate must load and score as their own."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = config.load("tiny")
+    (seed_dir,) = (Path(prepared_tiny.home) / "seeds").glob("random-*")
+    apart = tmp_path / "apart"
+    shutil.copytree(seed_dir, apart)
+    weights = load_file(apart / workspace.WEIGHTS_FILE)
+    (norm,) = [k for k in weights if k.endswith("norm.weight") and not k.startswith("model.layers.")]
+    weights[norm] = weights[norm] * 1.5
+    save_file(weights, apart / workspace.WEIGHTS_FILE, metadata={"format": "pt"})
+    fake_train_run(cfg, "control", seed_dir)
+    fake_train_run(cfg, "compressed", apart)
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    return cfg
+
+
 def _child_runs() -> dict[str, object]:
     return {r.data.tags[schema.TAG_MODEL]: r for r in _runs(f"tags.`{schema.TAG_MODEL}` != ''")}
 
@@ -276,7 +297,7 @@ def _table(run, artifact: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
+def test_evaluate_scores_three_models_in_child_runs(selected_apart, capsys):
     assert cli.main(["evaluate", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     for name in ("seed", "control", "compressed"):
@@ -303,8 +324,15 @@ def test_evaluate_scores_three_models_in_child_runs(selected, capsys):
         docs = _table(run, schema.ART_RETENTION_TABLE)
         assert len(docs) == config.load("tiny").data.retention_docs
         assert all(d["tokens"] > 0 and d["mean_nll"] == pytest.approx(d["nll_sum"] / d["tokens"]) for d in docs)
-    # The candidates are copies of the seed: the same scores, case by case.
-    assert _table(children["seed"], schema.ART_TEST_TABLE) == _table(children["compressed"], schema.ART_TEST_TABLE)
+    # Each child scored its own weights: the control's checkpoint is a copy of
+    # the seed (the same scores, document by document), the compressed arm's
+    # is not (other NLLs), and each run names the hash it loaded.
+    (select,) = _runs(f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_SELECT}'")
+    ledger_shas = {arm: select.data.tags[schema.TAG_CANDIDATE_PREFIX + arm] for arm in config.ARMS}
+    shas = {name: run.data.tags[schema.TAG_CHECKPOINT_SHA] for name, run in children.items()}
+    assert shas == {"seed": shas["control"], **ledger_shas} and shas["compressed"] != shas["seed"]
+    nll = {name: [d["nll_sum"] for d in _table(run, schema.ART_RETENTION_TABLE)] for name, run in children.items()}
+    assert nll["control"] == nll["seed"] and nll["compressed"] != nll["seed"]
 
 
 def _failed_evaluate_error() -> str:
