@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -131,6 +132,7 @@ def make_study(
     plan: str | None = None,
     models: tuple[str, ...] = ("seed", "control", "compressed"),
     compressed_active: float = 40.0,
+    compressed_shift: float = 0.002,
     prepared: bool = True,
 ) -> dict[str, str]:
     """A complete study record: the prepare run (unless not `prepared`), the plan
@@ -157,7 +159,7 @@ def make_study(
         "control": [1.0] * 120 + [0.0] * 80,
         "compressed": [1.0] * 120 + [0.0] * 80,
     }
-    shifts = {"seed": 0.0, "control": 0.001, "compressed": 0.002}
+    shifts = {"seed": 0.0, "control": 0.001, "compressed": compressed_shift}
     plan_tags = {schema.TAG_PLAN: plan} if plan else {}
     with writer.stage_run(schema.STAGE_EVALUATE, cfg, tags=plan_tags):
         for model in models:
@@ -438,9 +440,10 @@ def test_plan_argument_takes_the_twelve_digits_every_step_prints(tiny):
 
 
 def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):
-    from analysis import report as rep
-
-    make_study(tiny)
+    # The compressed model's retention NLL falls by about 1.1 nats, spread
+    # widely over 8 documents: the bound passes, but sits further above the
+    # mean than the +0.02 allowed, so only a falling mean could have passed.
+    make_study(tiny, compressed_shift=-1.0)
     rc, out, err = _report(capsys, "--out", str(tmp_path))
     assert rc == 0, err
     report = json.loads((tmp_path / "report.json").read_text())
@@ -448,14 +451,15 @@ def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):
         assert s["sensitivity"]["note"]
         assert s["unpowered_pass"] == (s["verdict"] == "pass" and s["powered"] is False)
         assert s["verdict_reads"] == (f"PASS (no power: {s['power_note']})" if s["unpowered_pass"] else s["verdict"].upper())
-    # Were non-inferiority's PASS one without power, every form of the report says so.
-    noninf = next(s for s in report["screens"] if s["name"] == "noninferiority")
-    noninf |= {"powered": False, "power_note": "one discordant case each way fails it at n=128", "unpowered_pass": noninf["verdict"] == "pass"}
-    md, page = rep.to_markdown(report), rep.to_html(report, {})
-    said = "Screen 3 (non-inferiority against the control) passed without power: one discordant case each way fails it at n=128."
-    assert said in md and said in page
-    row = next(line for line in md.splitlines() if line.startswith("| 3 |"))
-    assert row.endswith("| no: one discordant case each way fails it at n=128 | PASS |")
+    unpowered = [s["name"] for s in report["screens"] if s["unpowered_pass"]]
+    assert unpowered == [sc.RETENTION], unpowered
+    retention = next(s for s in report["screens"] if s["name"] == sc.RETENTION)
+    assert retention["verdict_reads"].startswith("PASS (no power: the bound sits ")
+    said = f"Screen 2 ({retention['title']}) passed without power: {retention['power_note']}."
+    md, page = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    assert said in md and html.escape(said) in page
+    row = next(line for line in md.splitlines() if line.startswith("| 2 |"))
+    assert row.endswith(f"| no: {retention['power_note']} | PASS |")
 
 
 def test_no_prepare_run_on_record_is_said(capsys, tiny, tmp_path):
