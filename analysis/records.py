@@ -94,15 +94,21 @@ class StudyKey:
         return f"{self.kind} sha {self.value}"
 
 
+def check_plan_argument(plan: str) -> str:
+    """`--plan` as hex digits, lower case; refused unless it is a sha256 or its first 12 or more digits."""
+    plan = plan.strip().lower()
+    # The value goes into a search filter: only hex digits may pass.
+    if not (_SHA.match(plan) or _SHORT_SHA.match(plan)):
+        raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits, or the first 12 or more)")
+    return plan
+
+
 def study_key(cfg: Config, plan: str | None) -> StudyKey:
     if plan is None:
         return StudyKey(schema.TAG_CONFIG_SHA, store.config_sha256(cfg))
-    plan = plan.strip().lower()
-    # The value goes into a search filter: only hex digits may pass.
+    plan = check_plan_argument(plan)
     if _SHA.match(plan):
         return StudyKey(schema.TAG_PLAN, plan)
-    if not _SHORT_SHA.match(plan):
-        raise UserError(f"--plan {plan!r}: expected the plan's sha256 (64 hex digits, or the first 12 or more)")
     # The 12 digits every step prints: the plan runs of the record say which sha they begin.
     runs = store.search_runs(cfg.experiment, f"tags.`{schema.TAG_PLAN}` LIKE '{plan}%' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_PLAN}'")
     found = sorted({r.data.tags[schema.TAG_PLAN] for r in runs})

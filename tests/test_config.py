@@ -170,6 +170,16 @@ def test_dry_run_prints_resolved_config(cli):
     assert "lr: 0.5" in res.stdout
 
 
+def test_dev_split_dry_run_prints_the_development_config_it_runs(cli):
+    # Before, it printed the preset's families and test seed, not the ones it trains and scores under.
+    from coopstudy import devsplit
+
+    res = cli("dev-split", "--preset", "tiny", "--families", "gcd", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    shown = yaml.safe_load(res.stdout)
+    assert shown["data"]["families"] == ["gcd"] and shown["data"]["test_seed"] == devsplit.DEV_SEED
+
+
 @pytest.mark.parametrize(
     "override, said",
     [
@@ -194,18 +204,25 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
             ("train", "--set", "distributed.backend=nccl"), "distributed.backend: nccl needs CUDA, and this machine has none",
             marks=pytest.mark.skipif(machine.cuda_available(), reason="this machine has CUDA"),
         ),
+        # Before, the tools' and report's dry runs printed the config and exited 0.
+        (("dev-split", "--lrs", "-1"), "--lrs: each learning rate must be a positive number"),
+        (("dev-split", "--families", "gcdd"), "--families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),
+        (("bench objective", "--updates", "6"), "--updates: between 1 and train.updates - 1 (5; one warm-up update comes first), not 6"),
+        (("bench arms", "--updates", "0"), "--updates: between 1 and train.updates (6), not 0"),
+        (("bench generate", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
+        (("report", "--plan", "xyz"), "--plan 'xyz': expected the plan's sha256 (64 hex digits, or the first 12 or more)"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
 )
 def test_dry_run_refuses_what_the_step_refuses_before_any_work(cli, argv, said, tmp_path):
-    step, *rest = argv
+    command, *rest = argv
     (tmp_path / "hosts").write_text("host-a slots=1\nhost-b slots=1\n")
     rest = [str(tmp_path / a) if a == "hosts" else a for a in rest]
-    dry = cli(step, "--preset", "tiny", *rest, "--dry-run")
+    dry = cli(*command.split(), "--preset", "tiny", *rest, "--dry-run")
     assert (dry.returncode, dry.stdout) == (2, ""), dry.stderr
-    assert dry.stderr.startswith(f"coopstudy {step}: error: {said}"), dry.stderr
+    assert dry.stderr.startswith(f"coopstudy {command}: error: {said}"), dry.stderr
     # The same line as the step itself, before it does anything.
-    real = cli(step, "--preset", "tiny", *rest)
+    real = cli(*command.split(), "--preset", "tiny", *rest)
     assert (real.returncode, real.stderr.splitlines()[-1:]) == (2, dry.stderr.splitlines()), real.stderr[-3000:]
 
 

@@ -392,6 +392,18 @@ def test_tampered_commitment_is_refused_naming_it(case, request, tmp_path):
     assert done_by.run in line, line
 
 
+def test_bench_objective_refuses_prepared_inputs_that_fail_their_check(planned_store, tmp_path):
+    # Before, `--documents auto` took any refusal for "no prepared inputs",
+    # timed synthetic documents under that note, and exited 0.
+    store = planned_store.copy(tmp_path / "store")
+    tampered = _prepared_file(store, tmp_path)
+    done = run_cli("bench", "objective", "--preset", "tiny", "--updates", "1", env=_cli_env(store))
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("coopstudy bench objective: error: ") and tampered.names[0] in line, line
+    assert "synthetic" not in done.stdout
+
+
 # --- 2. how a run ends -----------------------------------------------------
 
 
@@ -1135,7 +1147,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith(f"coopstudy {argv[0]}: error: ") and expected in lines[0], lines[0]
+    typed = " ".join(argv[:2] if argv[0] in ("bench", "remote") else argv[:1])
+    assert lines[0].startswith(f"coopstudy {typed}: error: ") and expected in lines[0], lines[0]
     # Refused before anything was started: the study folder holds the seed and,
     # for --nodes, the hostfile written as the options are read (no prepared
     # inputs, plan, lock, checkpoint or ledger); a run on record is the refused

@@ -66,7 +66,7 @@ def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, 
         result = cli(*argv, "--preset", "tiny")
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(f"coopstudy {argv[0]}: error: device ") and f"in use by job pid {os.getpid()} (a training job in this test" in line
+    assert line.startswith(f"coopstudy {' '.join(argv)}: error: device ") and f"in use by job pid {os.getpid()} (a training job in this test" in line
 
 
 def test_a_launch_says_how_busy_other_processes_kept_the_host(capsys):

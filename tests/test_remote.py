@@ -184,7 +184,7 @@ def test_remote_check_checks_the_experiment_a_step_would_write_to(server, tmp_pa
     assert f"tracking server {server.uri} answers; experiment 'checked-by-name' (id " in done.stdout
     # A name no step would take is refused before the server is touched.
     bad = _coopstudy("remote", "check", "--experiment", " x ", env=env)
-    assert (bad.returncode, bad.stderr.strip()) == (2, "coopstudy remote: error: --experiment ' x ': a name with spaces at its ends")
+    assert (bad.returncode, bad.stderr.strip()) == (2, "coopstudy remote check: error: --experiment ' x ': a name with spaces at its ends")
     assert server.client().get_experiment_by_name(" x ") is None and server.client().get_experiment_by_name("x") is None
 
 

@@ -315,7 +315,7 @@ def test_an_outbox_that_names_no_server_is_one_line(text):
         return
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
-    assert line == f"coopstudy remote: error: outbox {path}: no record in it names its server; give --tracking-uri"
+    assert line == f"coopstudy remote deliver: error: outbox {path}: no record in it names its server; give --tracking-uri"
 
 
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):

@@ -39,6 +39,8 @@ TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote"
 # Started by `train` and `probe`, never by hand, so `--help` does not list it:
 # the training loop's module imports torch, and listing it would cost seconds.
 UNLISTED = ("worker",)
+SUBCOMMAND_DESTS = ("bench", "command")
+"""Where `bench` and `remote` keep their subcommand: a refusal names it as the parser does."""
 DEFAULT_PRESET = "smollm2-135m-cpu"
 
 
@@ -193,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             from coopstudy.inputs import tasks
 
             tasks.check_families(cfg.data.families, "data.families", cfg.data.family_options)
-            # A dry run that passed what the step then refuses would mislead.
+            # A dry run that passed what the step then refuses would mislead;
+            # a command that runs another config than the loaded one
+            # (dev-split's development config) returns it, and that is shown.
             check = getattr(_module(args.step), "check_arguments", None)
-            if check is not None:
-                check(cfg, args)
-            print(config_mod.to_yaml(cfg), end="")
+            shown = check(cfg, args) if check is not None else None
+            print(config_mod.to_yaml(shown or cfg), end="")
             return 0
         code = _run_step(args.step, cfg, args)
         # A step may name the step that follows it on success (`probe --plan`):
@@ -238,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _refuse(args: argparse.Namespace, err: UserError) -> int:
-    """Say a user's mistake in one line; exit 2."""
-    print(f"coopstudy{f' {args.step}' if args.step else ''}: error: {err}", file=sys.stderr)
+    """Say a user's mistake in one line, under the command as it was typed
+    (`coopstudy bench arms:`, as the parser says its own); exit 2."""
+    typed = [w for w in (args.step, *(getattr(args, dest, None) for dest in SUBCOMMAND_DESTS)) if w]
+    print(f"{' '.join(['coopstudy', *typed])}: error: {err}", file=sys.stderr)
     if args.step and os.environ.get("MLFLOW_RUN_ID"):  # no stage run took `mlflow run`'s over (that one unsets it)
         from coopstudy.record import writer
 

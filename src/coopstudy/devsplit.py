@@ -157,9 +157,14 @@ def choose(families: list[str], seed_acc: dict[str, float], by_lr: dict[float, d
     return {"families": kept, "lr": max(safe) if safe else None}
 
 
-def run(cfg: Config, args: argparse.Namespace) -> int:
-    from rich.table import Table
+def check_arguments(cfg: Config, args: argparse.Namespace) -> Config:
+    """What dev-split refuses in its arguments, before any work; then the
+    development config it trains and scores under (what --dry-run prints)."""
+    return _checked(cfg, args)[0]
 
+
+def _checked(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[float], int]:
+    """Every refusal of dev-split's arguments; then the development config, the learning rates and the updates."""
     lrs = args.lrs or [cfg.train.lr * f for f in (0.5, 1.0, 2.0, 4.0)]
     if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
         raise UserError("--lrs: each learning rate must be a positive number")
@@ -179,6 +184,14 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     updates = args.updates if args.updates is not None else dev.train.updates
     if not 1 <= updates <= dev.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")
+    return dev, lrs, updates
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    dev, lrs, updates = _checked(cfg, args)
+    families = list(dev.data.families)
     console = ui.console(120)
     holder = f"coopstudy dev-split --preset {cfg.preset_argument}"
     with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_DEV_SPLIT, dev, run_name=f"dev-split-{cfg.preset}") as rec:

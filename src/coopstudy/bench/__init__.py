@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return b
 
     p = bench("objective", "batched update against the per-document reference")
-    p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2)")
+    p.add_argument("--updates", type=int, default=2, help="timed updates, after one warm-up update (default 2; at most train.updates - 1)")
     p.add_argument("--documents", choices=("auto", "prepared", "synthetic"), default="auto",
                    help="prepared inputs, synthetic documents, or auto: prepared when they exist (default: auto)")  # fmt: skip
     a = bench("arms", "both arms' real training loops, one after the other: seconds per update, breakdown, ratio")
@@ -116,10 +116,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--items", type=int, default=32, help=f"development-split cases to generate, spread over the families (default 32, at most {MAX_ITEMS:,})")
 
 
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What each bench refuses in its arguments, before the lock or any load (and under --dry-run)."""
+    if args.bench == "generate" and not 1 <= args.items <= MAX_ITEMS:
+        raise UserError(f"--items: from 1 to {MAX_ITEMS:,} (got {args.items:,})")
+    if args.bench == "arms" and args.updates is not None and not 1 <= args.updates <= cfg.train.updates:
+        raise UserError(f"--updates: between 1 and train.updates ({cfg.train.updates}), not {args.updates}")
+    # One warm-up update comes first, from the train.updates global batches of the schedule.
+    if args.bench == "objective" and not 1 <= args.updates <= cfg.train.updates - 1:
+        raise UserError(
+            f"--updates: between 1 and train.updates - 1 ({cfg.train.updates - 1}; one warm-up update comes first), not {args.updates}"
+        )
+
+
 def run(cfg: Config, args: argparse.Namespace) -> int:
+    check_arguments(cfg, args)
     if args.bench == "generate":
-        if not 1 <= args.items <= MAX_ITEMS:
-            raise UserError(f"--items: from 1 to {MAX_ITEMS:,} (got {args.items:,})")
         from coopstudy.bench import generate
 
         return generate.measure(cfg, args.items)
@@ -128,8 +140,6 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
         arms.measure(cfg, updates=args.updates, arms=ARMS if args.arm == "both" else (args.arm,), console=ui.console(120))
         return 0
-    if args.updates < 1:
-        raise UserError("--updates: at least 1")
     from coopstudy.bench import objective
 
     objective.measure(cfg, updates=args.updates, source=args.documents, console=ui.console(110))

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from coopstudy import ui
-from coopstudy.commit import require
+from coopstudy.commit import ledger, require
 from coopstudy.config import ARMS, Config
-from coopstudy.errors import UserError
+from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.numerics import batching, objective, update
 from coopstudy.numerics.distributed import DistContext
@@ -55,15 +55,13 @@ def synthetic_documents(cfg: Config, vocab_size: int, seed: int = 0) -> tuple[li
 
 
 def _documents(cfg: Config, source: str, vocab_size: int) -> tuple[Sequence, list[list[int]], str]:
-    if source in ("auto", "prepared"):
-
-        try:
-            prepared = require.inputs(cfg)
-            return prepared.train, prepared.schedule, f"prepared inputs {prepared.digest[:12]}"
-        except UserError:
-            if source == "prepared":
-                raise
-            note = "synthetic (this preset has no prepared inputs; run prepare to use them)"
+    if source == "prepared" or (source == "auto" and ledger.Ledger().latest(ledger.INPUTS, data.inputs_key(cfg))):
+        # Inputs committed but failing their check are refused, never swapped
+        # for synthetic ones under a note that says there are none.
+        prepared = require.inputs(cfg)
+        return prepared.train, prepared.schedule, f"prepared inputs {prepared.digest[:12]}"
+    if source == "auto":
+        note = "synthetic (this preset has no prepared inputs; run prepare to use them)"
     else:
         note = "synthetic (asked for)"
     docs, schedule = synthetic_documents(cfg, vocab_size)
@@ -88,8 +86,6 @@ def _measure(cfg: Config, *, updates: int, source: str, console: Console, held: 
     torch.set_num_threads(cfg.train.threads_per_device)
     lm = _load_seed(cfg)
     docs, schedule, note = _documents(cfg, source, lm.config.vocab_size)
-    if updates + 1 > len(schedule):
-        raise UserError(f"--updates: {updates} timed updates need {updates + 1} schedule rows, the schedule has {len(schedule)}")
     precision = objective.Precision.of(cfg.train.precision)
     microbatch = cfg.arms.control.microbatch
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)

@@ -114,15 +114,25 @@ def _make_folder(folder: Path) -> None:
         raise UserError(f"report folder {folder}: cannot make it ({what})") from None
 
 
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What report refuses in its arguments, before its run opens (and under --dry-run)."""
+    from analysis import records as records_mod
+
+    out = getattr(args, "out", None)
+    if out is not None and not out.strip():
+        raise UserError("--out: an empty path; name a folder (or leave --out out for the default)")
+    if getattr(args, "plan", None) is not None:
+        records_mod.check_plan_argument(args.plan)
+
+
 def run(cfg: Config, args: argparse.Namespace) -> int:
     from analysis import records as records_mod
     from analysis import report as rep
     from analysis import screens as sc
 
+    check_arguments(cfg, args)
     plan = getattr(args, "plan", None)
     out = getattr(args, "out", None)
-    if out is not None and not out.strip():
-        raise UserError("--out: an empty path; name a folder (or leave --out out for the default)")
     # The run opens first so that a refusal stays on record as a FAILED report run.
     with writer.stage_run(schema.STAGE_REPORT, cfg) as rec:
         if out:
