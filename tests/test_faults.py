@@ -949,6 +949,11 @@ def _model_cut_short(tmp: Path) -> str:
     return str(tmp / "model")
 
 
+def _spoil_seed_config() -> None:
+    (folder,) = (workspace.home() / "seeds").glob("random-*")
+    (folder / "config.json").write_text("{bad")
+
+
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     # case: (argv from a scratch folder, what the one line must say)
     "preset that is a list": (lambda tmp: ("prepare", "--preset", _preset(tmp, lambda t: "- model\n- data\n")), "expected a mapping of sections"),
@@ -985,6 +990,18 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         "screens.interval_level: Input should be greater than or equal to 0.5",
     ),
     "--nodes 0": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
+    # Path('') is the current folder: it was refused as "--hostfile .: a folder, not a file".
+    "an empty --hostfile": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", ""), "argument --hostfile: an empty path; name the hostfile"),
+    # It said only "(OSError)", and not how to mend it.
+    "a cached seed whose config.json is no JSON": (
+        lambda tmp: _spoil_seed_config() or ("prepare", "--preset", "tiny"),
+        "config.json' is not a valid JSON file.); delete ",
+    ),
+    # It said "package 'os' is not installed".
+    "a GGUF package that is a module": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=gguf-package", "model.gguf_package=os"),
+        "model.gguf_package: 'os' is a module, not a package that ships a GGUF file",
+    ),
     "an empty --master-addr": (
         lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--nodes", "2", "--node-rank", "0", "--master-addr", "", "--master-port", "29600"),
         "--master-addr: an empty address",

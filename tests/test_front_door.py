@@ -237,9 +237,12 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
         # ... and said as the -P that gave it.
         ("train", ("-P", "preset=tiny", "-P", "arm=nosuch"),
          "-P arm: invalid choice: 'nosuch' (choose from 'control', 'compressed', 'both') (entry point train of MLproject)"),
+        # Before, a value that reads as an option was blamed on a -P dry-run the user never wrote.
+        ("prepare", ("-P", "preset=tiny", "-P", "overrides=--dry-run"),
+         "-P overrides: '--dry-run' starts with '-': a parameter gives a value, not an option (entry point prepare of MLproject)"),
     ],
     ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset", "-P of an option not declared", "-P help",
-         "a -P value the parser refuses"],  # fmt: skip
+         "a -P value the parser refuses", "a -P value that reads as an option"],  # fmt: skip
 )
 def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, entry, params, said):
     done = project.run("mlflow", "run", ".", "-e", entry, "--env-manager", "local", *params)
@@ -278,6 +281,30 @@ def test_a_typo_by_hand_under_a_leftover_mlflow_run_id_is_told_as_the_cli_flag_a
 def test_options_before_the_command_are_one_line_saying_where_they_go(cli, argv, said):
     done = cli(*argv)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", f"coopstudy: error: {said}\n")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        # argparse took `tiny` for the benchmark, and `x` for remote's command.
+        (("bench", "--preset", "tiny", "objective"), "bench: error: options go after the bench command: `python -m coopstudy bench objective --preset tiny`"),
+        (("remote", "--experiment", "x", "check"), "remote: error: options go after the remote command: `python -m coopstudy remote check --experiment x`"),
+        # It pointed at `remote --help`, which does not list check's options.
+        (("remote", "check", "extra"), "remote check: error: unrecognized arguments: extra (see `python -m coopstudy remote check --help`)"),
+    ],
+)
+def test_options_before_a_subcommand_are_one_line_saying_where_they_go(cli, argv, said):
+    done = cli(*argv)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"coopstudy {said}\n")
+
+
+def test_every_help_says_where_the_files_and_the_runs_go(cli):
+    # Every step's help spoke of <home>, and none said where it is.
+    for argv in ((), ("prepare",), ("bench", "objective"), ("dev-split",)):
+        done = cli(*argv, "--help")
+        assert done.returncode == 0, done.stderr
+        text = " ".join(done.stdout.split())
+        assert "where things go: the study's files (<home>:" in text and "$COOPSTUDY_HOME" in text and "$MLFLOW_TRACKING_URI" in text, argv
 
 
 @pytest.mark.parametrize(

@@ -24,12 +24,15 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
 from coopstudy import config as config_mod
+from coopstudy import workspace
 from coopstudy.errors import UserError
+from coopstudy.record.store import REMOTE_FILE
 
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
@@ -41,6 +44,12 @@ TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote"
 UNLISTED = ("worker",)
 SUBCOMMAND_DESTS = ("bench", "command")
 """Where `bench` and `remote` keep their subcommand: a refusal names it as the parser does."""
+WHERE_THINGS_GO = textwrap.fill(
+    "where things go: the study's files (<home>: prepared inputs, seeds, checkpoints, the ledger, "
+    f"reports) in ${workspace.HOME_VARIABLE}, else .coopstudy/ in the project; every run in the MLflow "
+    f"store of $MLFLOW_TRACKING_URI, else the server the project's {REMOTE_FILE} names, "
+    "else mlflow.db in the project (README: A shared tracking server)"
+)
 DEFAULT_PRESET = "smollm2-135m-cpu"
 
 
@@ -147,6 +156,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action=_Version)
+    parser.epilog = WHERE_THINGS_GO
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
     for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
         module = _module(name)
@@ -156,6 +166,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             description=getattr(module, "DESCRIPTION", module.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
             allow_abbrev=False,
+            epilog=WHERE_THINGS_GO,
         )
         if name in STEPS:
             add_config_arguments(p)
@@ -177,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     early = _options_before_the_command(argv)
     if early:
         return _refuse(argparse.Namespace(step=None, preset=preset), UserError(early))
+    early = _options_before_the_subcommand(parser, argv)
+    if early:
+        return _refuse(argparse.Namespace(step=argv[0], preset=preset), UserError(early))
     try:
         args, unknown = parser.parse_known_args(argv)
     except _BadArguments as err:
         return _refuse(argparse.Namespace(step=err.step, preset=preset), UserError(_as_parameters(err.step, err)))
     if unknown:
-        return _refuse(args, UserError(_unrecognized(args.step, unknown)))
+        return _refuse(args, UserError(_unrecognized(" ".join(_typed(args)), unknown)))
     try:
         if not hasattr(args, "preset"):
             return int(args._module.main(args) or 0)
@@ -243,14 +257,37 @@ def main(argv: list[str] | None = None) -> int:
 def _refuse(args: argparse.Namespace, err: UserError) -> int:
     """Say a user's mistake in one line, under the command as it was typed
     (`coopstudy bench arms:`, as the parser says its own); exit 2."""
-    typed = [w for w in (args.step, *(getattr(args, dest, None) for dest in SUBCOMMAND_DESTS)) if w]
-    print(f"{' '.join(['coopstudy', *typed])}: error: {err}", file=sys.stderr)
+    print(f"{' '.join(['coopstudy', *_typed(args)])}: error: {err}", file=sys.stderr)
     if args.step and os.environ.get("MLFLOW_RUN_ID"):  # no stage run took `mlflow run`'s over (that one unsets it)
         from coopstudy.record import writer
 
         preset = getattr(args, "preset", None)
         writer.mark_refused(f"{args.step}-{Path(preset).stem}" if preset else args.step, err)
     return 2
+
+
+def _typed(args: argparse.Namespace) -> list[str]:
+    """The command as the user typed it: the step, and bench's or remote's subcommand."""
+    return [w for w in (args.step, *(getattr(args, dest, None) for dest in SUBCOMMAND_DESTS)) if w]
+
+
+def _subcommands(parser: argparse.ArgumentParser, command: str) -> list[str]:
+    """The subcommands of `command` (bench's, remote's), or none."""
+    steps = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    inner = steps.choices[command]._actions if command in steps.choices else []
+    return [name for a in inner if isinstance(a, argparse._SubParsersAction) for name in a.choices]
+
+
+def _options_before_the_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """As _options_before_the_command, one level down: `bench --preset tiny
+    objective` (argparse would take `tiny` for the benchmark)."""
+    if len(argv) < 2 or not argv[1].startswith("-") or argv[1] in ("-h", "--help"):
+        return None
+    subcommand = next((a for a in argv[2:] if a in _subcommands(parser, argv[0])), None)
+    if subcommand is None:
+        return None
+    at = argv.index(subcommand, 2)
+    return f"options go after the {argv[0]} command: `python -m coopstudy {shlex.join([argv[0], subcommand, *argv[1:at], *argv[at + 1 :]])}`"
 
 
 def _options_before_the_command(argv: list[str]) -> str | None:
@@ -294,7 +331,18 @@ def _undeclared(step: str | None, argv: list[str]) -> str | None:
     if launched is None:
         return None
     entry, spec = launched
-    given = set(re.findall(r"--[\w-]+", str(spec.get("command", ""))))
+    command = str(spec.get("command", ""))
+    # The command's words fill argv's first places, each {parameter} one word
+    # (MLflow quotes the value); a value that reads as an option is the
+    # user's, and is said as the -P that gave it, not as an undeclared one.
+    template = command.split()[3:]
+    if len(argv) >= len(template):
+        for slot, word in zip(template, argv):
+            name = re.fullmatch(r"\{(\w+)\}", slot)
+            if name and word.startswith("-"):
+                return f"-P {name[1]}: {word!r} starts with '-': a parameter gives a value, not an option (entry point {entry} of MLproject)"
+        argv = argv[len(template) :]
+    given = set(re.findall(r"--[\w-]+", command))
     extra = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in given]
     return _not_parameters(entry, spec, extra) if extra else None
 

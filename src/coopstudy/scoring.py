@@ -22,9 +22,9 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from coopstudy import machine, ui
+from coopstudy import machine, ui, workspace
 from coopstudy.config import EvaluateConfig
-from coopstudy.errors import UserError
+from coopstudy.errors import UserError, labelled
 from coopstudy.inputs import chat, tasks
 from coopstudy.record import schema
 
@@ -95,9 +95,17 @@ def score_case(case: dict[str, Any], output: str) -> dict[str, Any]:
 
 
 # --- models ------------------------------------------------------------------
-def _reason(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+def _cannot_load(name: str, what: str, path: Path, err: BaseException, *, remade: bool = True) -> UserError:
+    """A model folder that cannot be loaded and, where the study made it and
+    `remade` (its weights hash as recorded, so only its other files can be
+    what is wrong), how to have it made again: a seed is converted again, a
+    checkpoint comes back from its train run's artifact."""
+    hint = None
+    if remade and path.is_relative_to(workspace.home() / "seeds"):
+        hint = f"delete {path} to have the seed made again"
+    elif remade and path.is_relative_to(workspace.home() / "checkpoints"):
+        hint = f"delete {path} to have it brought back from its train run's `{schema.ART_CHECKPOINT}` artifact"
+    return UserError(f"{name}: the {what} in {path} cannot be loaded ({labelled(err)})", hint=hint)
 
 
 def load_tokenizer(path: Path, name: str) -> Any:
@@ -106,7 +114,7 @@ def load_tokenizer(path: Path, name: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:  # noqa: BLE001 - any failure means the same: no usable tokenizer there
-        raise UserError(f"{name}: the tokenizer in {path} cannot be loaded ({_reason(err)})") from None
+        raise _cannot_load(name, "tokenizer", path, err) from None
 
 
 def check_tokenizer(tokenizer: Any, reference: Any, name: str) -> None:
@@ -141,7 +149,8 @@ def check_weights(path: Path, name: str) -> None:
             with safe_open(file, framework="pt") as weights:
                 weights.keys()
         except Exception as err:  # noqa: BLE001 - a bad header raises several error types
-            raise UserError(f"{name}: the checkpoint in {path} cannot be loaded ({_reason(err)})") from None
+            # The weights hash as the run recorded them: its artifact holds the same bytes.
+            raise _cannot_load(name, "checkpoint", path, err, remade=False) from None
 
 
 def load_model(path: Path, name: str, tokenizer: Any) -> Any:
@@ -165,7 +174,7 @@ def load_model(path: Path, name: str, tokenizer: Any) -> Any:
         # fp32, so that batched and one-at-a-time decoding pick the same tokens.
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - truncated file, bad header, missing tensor: all "cannot load"
-        raise UserError(f"{name}: the checkpoint in {path} cannot be loaded ({_reason(err)})") from None
+        raise _cannot_load(name, "checkpoint", path, err) from None
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"{name}: the model embeds {model.get_input_embeddings().num_embeddings} tokens, "

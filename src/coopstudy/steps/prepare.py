@@ -8,7 +8,7 @@ import time
 from coopstudy import ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
-from coopstudy.errors import UserError
+from coopstudy.errors import UserError, labelled
 from coopstudy.inputs import data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
@@ -63,7 +63,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             tokenizer = AutoTokenizer.from_pretrained(seed.path)
         except Exception as err:  # noqa: BLE001 - any failure means the same: no usable tokenizer there
             # Not scoring.load_tokenizer: prepare's sources (its step key) stay free of the evaluation's.
-            raise UserError(f"seed model: the tokenizer in {seed.path} cannot be loaded ({type(err).__name__})") from None
+            made_here = seed.path.is_relative_to(workspace.home() / "seeds")
+            raise UserError(
+                f"seed model: the tokenizer in {seed.path} cannot be loaded ({labelled(err)})",
+                hint=f"delete {seed.path} to have the seed made again" if made_here else None,
+            ) from None
         built = data.build(cfg, tokenizer, seed, ui.track, pool)
         folder, status = data.write_prepared(built)
         build_seconds = time.perf_counter() - built_at

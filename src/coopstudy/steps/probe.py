@@ -51,7 +51,7 @@ class CandidateFailed(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hostfile",
-        type=Path,
+        type=launch.hostfile_path,
         default=None,
         help="probe the compressed arm's ranks on two hosts, as `train --hostfile` does",
     )

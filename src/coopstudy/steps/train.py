@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arm to train (default: both, control first)")
     parser.add_argument(
         "--hostfile",
-        type=Path,
+        type=launch.hostfile_path,
         default=None,
         help="run the compressed arm's two ranks on two hosts: an MPI-style hostfile, one `HOST slots=1` line per host "
         "(default: none, every rank on this host)",
