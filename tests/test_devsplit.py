@@ -23,6 +23,12 @@ def _questions(folder: Path) -> list[str]:
     return [json.loads(line)["entry"]["question"] for line in (folder / "test.jsonl").read_text().splitlines()]
 
 
+def _retention(folder: Path) -> tuple[set[str], set[str]]:
+    """The retention probes' ids, and the topics they were held out with."""
+    ids = {json.loads(line)["doc_id"] for line in (folder / "retention.jsonl").read_text().splitlines()}
+    return ids, set(json.loads((folder / "manifest.json").read_text())["split"]["retention_topics"])
+
+
 def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prepared_tiny, cli):
     final = {p.name for p in (prepared_tiny.home / "prepared").iterdir()}
     done = cli("dev-split", "--preset", "tiny", "--families", "gcd", "chain_sum", "--lrs", "1e-3", "3e-2", "--updates", "2")
@@ -51,6 +57,11 @@ def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prep
     (final_folder,) = final
     dev_questions = _questions(prepared_tiny.home / "prepared" / dev)
     assert dev_questions and not set(dev_questions) & set(_questions(prepared_tiny.home / "prepared" / final_folder))
+    # Its retention probes are its own, from other topics than the final ones
+    # (before, the rate was chosen by the retention screen on the final probes).
+    probes = {name: _retention(prepared_tiny.home / "prepared" / name) for name in (dev, final_folder)}
+    assert probes[dev][0] and probes[final_folder][0]
+    assert not probes[dev][0] & probes[final_folder][0] and not probes[dev][1] & probes[final_folder][1]
 
 
 def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_safe_rate():

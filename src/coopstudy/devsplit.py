@@ -5,14 +5,16 @@
 
 The development split is the final test of another seed: the preset's data
 with data.families = --families and data.test_seed = --dev-seed, built as
-`prepare` builds it (inputs.data.build: the same training documents,
-schedule, replay and retention probes, questions seen in training dropped;
-tasks.check_development_seed refuses a seed whose range meets the preset's
-training or final test). Nothing of the final test is read. The seed is scored on it
-(scoring.score_model: every family's accuracy, the retention NLL), then, for
-each learning rate, one control-arm training from the seed (one process,
-numerics.update.worker_update over the preset's schedule, train.updates
-updates, or --updates) is scored the same way. Beside each trained model,
+`prepare` builds it (inputs.data.build: the same task documents and
+schedule, questions seen in training dropped; tasks.check_development_seed
+refuses a seed whose range meets the preset's training or final test), with
+replay and retention probes drawn as `prepare` draws them from the
+conversations less every topic of the final retention probes
+(_development_pool). Nothing of the final test or the final probes is read.
+The seed is scored on it (scoring.score_model: every family's accuracy, the
+retention NLL), then, for each learning rate, one control-arm training from
+the seed (one process, numerics.update.worker_update over the preset's
+schedule, train.updates updates, or --updates) is scored the same way. Beside each trained model,
 the study's own screens on the development split: accuracy gain over the
 seed and retention (analysis.screens, with the preset's thresholds). The
 rule it prints (`choose`, SOLVED and MOVED) and what it writes are in
@@ -30,7 +32,7 @@ from typing import Any
 from coopstudy import scoring, ui
 from coopstudy.config import COMPRESSED, INT_CEILING, Config
 from coopstudy.errors import UserError
-from coopstudy.inputs import data, tasks
+from coopstudy.inputs import conversations, data, tasks
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 from coopstudy.run import lock
@@ -48,8 +50,9 @@ Chooses families and the learning rate on a development split, never on the
 final test. The split is built as `prepare` builds the final test, from the
 preset's data with data.families = --families and data.test_seed =
 --dev-seed (questions seen in training dropped); a seed whose questions could
-meet the preset's training or final test is refused. Nothing of the final test
-is read.
+meet the preset's training or final test is refused. Its replay and retention
+probes come from the conversations less every topic of the final retention
+probes. Nothing of the final test or of the final probes is read.
 
 The seed model is scored on the split (each family's accuracy, the retention
 NLL). Then, for each learning rate, one control-arm training from the seed
@@ -92,6 +95,19 @@ def _dev_config(cfg: Config, families: list[str] | None, dev_seed: int) -> Confi
         raw["data"]["families"] = families
         raw["data"]["family_options"] = _options_of(cfg, families)
     return config.from_dict(raw)
+
+
+def _development_pool(cfg: Config) -> conversations.Pool:
+    """The conversations a development split draws its replay and retention
+    probes from: conversation_pool(cfg) less every topic of `cfg`'s final
+    retention probes, so that nothing chosen on the development split (the
+    learning rate, by the retention screen) was chosen on a final probe or a
+    sibling of one."""
+    pool = data.conversation_pool(cfg)
+    probes, _, _ = data.split_conversations(pool, cfg.data.retention_docs, cfg.data.replay_docs, cfg.data.replay_seed)
+    final = {c.group for c in probes}
+    kept = [c for c in pool.conversations if c.group not in final]
+    return conversations.Pool(kept, pool.info | {"development": f"less the {len(final)} topics of the final retention probes"})
 
 
 def _options_of(cfg: Config, families: list[str]) -> dict[str, dict]:
@@ -199,7 +215,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         seed = resolve_seed(dev)
         tokenizer = scoring.load_tokenizer(seed.path, "seed")
         start = time.perf_counter()
-        built = data.build(dev, tokenizer, seed, ui.track)
+        built = data.build(dev, tokenizer, seed, ui.track, pool=_development_pool(cfg))
         folder, _ = data.write_prepared(built)
         prepared = data.load_folder(folder, built.digest)
         console.print(
