@@ -92,6 +92,10 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
         (("--dev-seed", "-1"), "--dev-seed: -1 is negative"),
         (("--dev-seed", "99999999999999999999"), "--dev-seed: at most 4,294,967,295, as data.test_seed"),
         (("--dev-seed", "1000"), "--dev-seed: the seed ranges of training gcd (1000..1011) and the development split's gcd (from 1000) overlap"),
+        # Eight families from the default seed reach the final test's; the line names a seed that works.
+        (("--families", "gcd", "products", "letter_counting", "chain_sum", "lcm", "leg_counting", "basic_arithmetic", "count_bits"),
+         "--dev-seed: the seed ranges of the development split's lcm (9000000..9000107) and the final test's gcd (from 9000000) overlap; "
+         "choose a seed whose ranges (1,000,000 apart, one per family) meet neither, e.g. --dev-seed 500000"),
     ],
 )
 def test_bad_dev_split_input_is_one_line(prepared_tiny, cli, args, message):

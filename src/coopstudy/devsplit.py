@@ -37,6 +37,8 @@ from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 from coopstudy.run import lock
 
+DEVELOPMENT = "development split"
+"""What its progress calls the test set it scores: not the final test."""
 DEV_SEED = 5_000_000
 """Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
 SOLVED = 0.5
@@ -219,11 +221,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         folder, _ = data.write_prepared(built)
         prepared = data.load_folder(folder, built.digest)
         console.print(
-            f"development split: {len(prepared.test)} cases of {', '.join(families)} (test seed {args.dev_seed:,}); "
+            f"{DEVELOPMENT}: {len(prepared.test)} cases of {', '.join(families)} (test seed {args.dev_seed:,}); "
             f"training {len(prepared.train)} documents, {updates} updates; {len(prepared.retention)} retention probes"
         )
         model = scoring.load_model(seed.path, "seed", tokenizer)
-        base = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, dev.evaluate, "seed")
+        base = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, dev.evaluate, "seed", DEVELOPMENT)
         del model
         seed_acc = _per_family(base.metrics, families)
         console.print(f"seed: accuracy {base.metrics[schema.M_ACCURACY]:.1%}")
@@ -232,7 +234,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         by_lr: dict[float, dict[str, Any]] = {}
         for lr in lrs:
             lm = _train(dev, prepared, seed.path, lr, updates)
-            trained = scoring.score_model(lm, tokenizer, prepared.test, prepared.retention, dev.evaluate, f"lr {lr:g}")
+            trained = scoring.score_model(lm, tokenizer, prepared.test, prepared.retention, dev.evaluate, f"lr {lr:g}", DEVELOPMENT)
             del lm
             gc.collect()
             gain, retention = _screens(dev, base, trained)

@@ -358,15 +358,17 @@ def score_model(
     retention: Sequence[Any],
     settings: EvaluateConfig,
     label: str,
+    test_name: str = "final test",
 ) -> Scored:
-    """The test table, the retention table and the metrics of one model."""
+    """The test table, the retention table and the metrics of one model;
+    `test_name` says in its progress which test set it answers."""
     import torch
 
     if not test:
-        raise UserError("the final test set is empty; nothing to score")
+        raise UserError(f"the {test_name} set is empty; nothing to score")
     prompts = [chat.prompt_ids(tokenizer, case["messages"]) for case in test]
     start = time.perf_counter()
-    with ui.progress(f"{label}: final test", len(test)) as advance:
+    with ui.progress(f"{label}: {test_name}", len(test)) as advance:
         generated = generate(
             model, prompts, max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
             stop=stop_ids(tokenizer), pad_id=padding_id(tokenizer), progress=advance,

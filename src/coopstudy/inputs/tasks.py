@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coopstudy.config import INT_CEILING
 from coopstudy.errors import UserError
 
 if TYPE_CHECKING:
@@ -63,11 +64,19 @@ def _ranges(families: Sequence[str], seed: int, n: int, what: str) -> list[tuple
     return [(family_seed(seed, pos), n, f"{what} {fam}") for pos, fam in enumerate(families)]
 
 
-def _refuse_overlap(ranges: list[tuple[int, int, str]], key: str, hint: str) -> None:
+def _overlap(ranges: list[tuple[int, int, str]]) -> str | None:
+    """The first two ranges that overlap, said; None when none do."""
     ranges = sorted(ranges)
     for (a, n, what_a), (b, _, what_b) in zip(ranges, ranges[1:]):
         if a + n > b:
-            raise UserError(f"{key}: the seed ranges of {what_a} ({a}..{a + n - 1}) and {what_b} (from {b}) overlap; {hint}")
+            return f"the seed ranges of {what_a} ({a}..{a + n - 1}) and {what_b} (from {b}) overlap"
+    return None
+
+
+def _refuse_overlap(ranges: list[tuple[int, int, str]], key: str, hint: str) -> None:
+    said = _overlap(ranges)
+    if said:
+        raise UserError(f"{key}: {said}; {hint}")
 
 
 def check_seed_ranges(families: Sequence[str], train_seed: int, train_n: int, test_seed: int, test_n: int) -> None:
@@ -89,14 +98,23 @@ def check_seed_ranges(families: Sequence[str], train_seed: int, train_n: int, te
 def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_seed: int) -> None:
     """Refuse a development split (`dev-split`: the final test of `dev_seed`
     over `families`) whose seed ranges meet the preset's training or final
-    test: it would score, or choose by, the study's own questions."""
-    _refuse_overlap(
-        _ranges(cfg_data.families, cfg_data.generation_seed, cfg_data.tasks_per_family, "training")
-        + _ranges(cfg_data.families, cfg_data.test_seed, final_budget(cfg_data.test_per_family), "the final test's")
-        + _ranges(families, dev_seed, final_budget(cfg_data.test_per_family), "the development split's"),
-        "--dev-seed",
-        f"choose a seed whose ranges ({FAMILY_STRIDE:,} apart, one per family) meet neither",
-    )
+    test: it would score, or choose by, the study's own questions. The
+    refusal names the first seed, in steps of half a family's range, that
+    meets neither."""
+
+    def ranges(seed: int) -> list[tuple[int, int, str]]:
+        return (
+            _ranges(cfg_data.families, cfg_data.generation_seed, cfg_data.tasks_per_family, "training")
+            + _ranges(cfg_data.families, cfg_data.test_seed, final_budget(cfg_data.test_per_family), "the final test's")
+            + _ranges(families, seed, final_budget(cfg_data.test_per_family), "the development split's")
+        )
+
+    said = _overlap(ranges(dev_seed))
+    if said:
+        hint = f"choose a seed whose ranges ({FAMILY_STRIDE:,} apart, one per family) meet neither"
+        steps = range(FAMILY_STRIDE // 2, INT_CEILING - len(families) * FAMILY_STRIDE, FAMILY_STRIDE // 2)
+        free = next((seed for seed in steps if _overlap(ranges(seed)) is None), None)
+        raise UserError(f"--dev-seed: {said}; {hint}" + (f", e.g. --dev-seed {free}" if free is not None else ""))
 
 
 def check_families(families: Sequence[str], key: str, options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
