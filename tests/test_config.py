@@ -76,6 +76,8 @@ def test_overrides_are_typed():
         ("data.max_context=4", "data.max_context"),
         ("train.warmup_updates=99", "train.warmup_updates"),
         ("noequals", "expected key=value"),
+        # YAML reads 123 as a number; the line says how to write the name.
+        ("experiment=123", 'experiment: Input should be a valid string (got 123); quote it to mean the text: "123"'),
         # Infinity passes `> 0` and fails far later (a timeout of inf overflows).
         ("train.lr=inf", "train.lr: Input should be a finite number"),
         ("screens.min_speedup=nan", "screens.min_speedup: Input should be a finite number"),

@@ -8,6 +8,7 @@ gives the dotted-key dict that is logged whole as MLflow params.
 from __future__ import annotations
 
 import difflib
+import json
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -431,6 +432,9 @@ def _describe(err: ValidationError) -> str:
         return msg if not loc else f"{loc}.{msg}"
     given = first.get("input")
     shown = f" (got {given!r})" if not isinstance(given, dict) else ""
+    if first["type"] == "string_type" and isinstance(given, (int, float, bool)):
+        # YAML read `--set experiment=123` as a number: quoted, it is a string.
+        shown += f"; quote it to mean the text: \"{json.dumps(given)}\""
     return f"{loc}: {msg}{shown}"
 
 
