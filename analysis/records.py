@@ -187,8 +187,8 @@ def _selected_train_run(client, select_run, arm: str, key: StudyKey):
     run_id = tags.get(schema.TAG_CANDIDATE_RUN_PREFIX + arm)
     if not run_id:
         raise RefusedError(
-            f"select run {select_run.info.run_id} names no train run for arm {arm} (no {schema.TAG_CANDIDATE_RUN_PREFIX + arm} tag); "
-            "select again"
+            f"select run {select_run.info.run_id} names no train run for arm {arm} (no {schema.TAG_CANDIDATE_RUN_PREFIX + arm} tag): "
+            "the record disagrees with the selection, which is made once per plan; run the study under a new plan"
         )
     run = client.get_run(run_id)
     if run.info.status != "FINISHED" or run.data.tags.get(key.tag) != key.value:
@@ -197,7 +197,8 @@ def _selected_train_run(client, select_run, arm: str, key: StudyKey):
     if trained != committed:
         raise RefusedError(
             f"train run {run_id} of arm {arm} left weights {str(trained)[:12]}, but select run {select_run.info.run_id} "
-            f"committed {str(committed)[:12]}; select again"
+            f"committed {str(committed)[:12]}: the record disagrees with the selection, which is made once per plan; "
+            "run the study under a new plan"
         )
     return run
 
@@ -284,11 +285,13 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
     return frame
 
 
-def _attempts(experiment: str, key: StudyKey, timed: dict[str, str]) -> pd.DataFrame:
-    """Every train run of each arm under `key`, oldest first (see Records.attempts)."""
+def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
+    """Every train run of each arm under the study's plan (else under `key`),
+    oldest first (see Records.attempts): a config's earlier plans are other studies."""
+    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
     rows = []
     for arm in ARMS:
-        flt = f"tags.`{key.tag}` = '{key.value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}'"
+        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}'"
         for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
             metrics = run.data.metrics
             rows.append(
@@ -432,7 +435,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     train_runs = {arm: runs[train_role(arm)] for arm in ARMS}
     updates = pd.concat([_update_table(client, arm, run.info.run_id) for arm, run in train_runs.items()], ignore_index=True)
     train = pd.DataFrame([_train_row(arm, run) for arm, run in train_runs.items()])
-    attempts = _attempts(cfg.experiment, key, {arm: run.info.run_id for arm, run in train_runs.items()})
+    attempts = _attempts(cfg.experiment, key, plan_sha, {arm: run.info.run_id for arm, run in train_runs.items()})
 
     eval_ids = {model: runs[evaluate_role(model)].info.run_id for model in MODELS}
     cases = pd.concat([_case_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)

@@ -20,7 +20,8 @@ import pandas as pd
 from scipy import stats as sps
 
 from analysis import stats
-from coopstudy.config import ScreensConfig
+from coopstudy.config import ARMS, COMPRESSED, CONTROL, ScreensConfig
+from coopstudy.record.schema import MODEL_NAME_SEED as SEED
 
 QUALITY, SPEED = "quality", "speed"
 ACCURACY_GAIN = "accuracy_gain"
@@ -45,7 +46,6 @@ POWER = 0.8
 class Screen:
     name: str
     title: str
-    group: str
     unit: str
     estimate: float
     threshold: float
@@ -73,6 +73,11 @@ class Screen:
     """Why it has or has not the power, in words."""
 
     @property
+    def group(self) -> str:
+        """The verdict this screen counts towards (GROUPS)."""
+        return next(group for group, names in GROUPS.items() if self.name in names)
+
+    @property
     def verdict(self) -> str:
         return "pass" if self.passed else "fail"
 
@@ -91,6 +96,7 @@ class Screen:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["interval"] = list(self.interval) if self.interval is not None else None
+        out["group"] = self.group
         out["verdict"] = self.verdict
         out["verdict_reads"] = self.verdict_reads
         out["unpowered_pass"] = self.unpowered_pass
@@ -265,9 +271,9 @@ def retention_sensitivity(
 
 def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     """Screen 1: compressed - seed accuracy, paired by test case, at least min_accuracy_gain."""
-    table, tango, newcombe = _paired_accuracy(cases, "compressed", "seed", cfg.interval_level)
+    table, tango, newcombe = _paired_accuracy(cases, COMPRESSED, SEED, cfg.interval_level)
     threshold = cfg.min_accuracy_gain
-    details = _accuracy_details(table, "compressed", "seed", newcombe)
+    details = _accuracy_details(table, COMPRESSED, SEED, newcombe)
     # Decided on the point estimate; whether the interval also clears the bar
     # is shown, never substituted for the verdict.
     details["tango_lower_clears_threshold"] = bool(tango.lower >= threshold)
@@ -275,7 +281,6 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     return Screen(
         name=ACCURACY_GAIN,
         title="accuracy gain over the seed model",
-        group=QUALITY,
         unit=POINTS,
         estimate=tango.estimate,
         threshold=threshold,
@@ -287,7 +292,7 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             f"when its verifier scores 1.0; Tango's score interval, two-sided {cfg.interval_level:.0%} "
             "(Newcombe's hybrid score interval beside); the verdict rests on the point estimate"
         ),
-        run_ids={"evaluate/compressed": _run_id(cases, "model", "compressed"), "evaluate/seed": _run_id(cases, "model", "seed")},
+        run_ids={f"evaluate/{m}": _run_id(cases, "model", m) for m in (COMPRESSED, SEED)},
         interval=(tango.lower, tango.upper),
         details=details,
         sensitivity=sens,
@@ -298,12 +303,11 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
 
 def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     """Screen 3: the lower limit of compressed - control accuracy above the margin."""
-    table, tango, newcombe = _paired_accuracy(cases, "compressed", "control", cfg.interval_level)
+    table, tango, newcombe = _paired_accuracy(cases, COMPRESSED, CONTROL, cfg.interval_level)
     sens, powered, why = noninferiority_sensitivity(table, tango, newcombe, cfg.noninferiority_margin, cfg.interval_level)
     return Screen(
         name=NONINFERIORITY,
         title="non-inferiority against the control",
-        group=QUALITY,
         unit=POINTS,
         estimate=tango.estimate,
         threshold=cfg.noninferiority_margin,
@@ -314,20 +318,17 @@ def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             f"compressed - control accuracy on the final test, paired by test case (n={table.n}); lower limit of "
             f"Tango's two-sided {cfg.interval_level:.0%} score interval (Newcombe's hybrid score interval beside)"
         ),
-        run_ids={
-            "evaluate/compressed": _run_id(cases, "model", "compressed"),
-            "evaluate/control": _run_id(cases, "model", "control"),
-        },
+        run_ids={f"evaluate/{m}": _run_id(cases, "model", m) for m in (COMPRESSED, CONTROL)},
         bound=tango.lower,
         interval=(tango.lower, tango.upper),
-        details=_accuracy_details(table, "compressed", "control", newcombe),
+        details=_accuracy_details(table, COMPRESSED, CONTROL, newcombe),
         sensitivity=sens,
         powered=powered,
         power_note=why,
     )
 
 
-def retention_differences(retention: pd.DataFrame, a: str = "compressed", b: str = "seed") -> pd.DataFrame:
+def retention_differences(retention: pd.DataFrame, a: str = COMPRESSED, b: str = SEED) -> pd.DataFrame:
     """Per scored document: doc_id, tokens, a - b mean NLL (diff_mean) and summed NLL (diff_sum).
 
     A document with no target tokens has no mean NLL and carries no evidence
@@ -362,7 +363,6 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
     return Screen(
         name=RETENTION,
         title="retention (NLL increase over the seed model)",
-        group=QUALITY,
         unit=NATS,
         estimate=t_bound.estimate,
         threshold=cfg.retention_max_nll_increase,
@@ -375,14 +375,11 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             "weighs the same); beside it the token-weighted ratio estimate with a document-clustered standard "
             "error; tokens are never treated as independent"
         ),
-        run_ids={
-            "evaluate/compressed": _run_id(retention, "model", "compressed"),
-            "evaluate/seed": _run_id(retention, "model", "seed"),
-        },
+        run_ids={f"evaluate/{m}": _run_id(retention, "model", m) for m in (COMPRESSED, SEED)},
         bound=t_bound.upper,
         details={
             "documents": len(diffs),
-            "documents_without_tokens": int((retention["model"] == "seed").sum()) - len(diffs),
+            "documents_without_tokens": int((retention["model"] == SEED).sum()) - len(diffs),
             "tokens": float(diffs["tokens"].sum()),
             "token_weighted_estimate": ratio.estimate,
             "token_weighted_se": ratio.se,
@@ -395,12 +392,11 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
 
 
 def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str, cfg: ScreensConfig) -> Screen:
-    seconds = {arm: float(train.loc[train["arm"] == arm, column].iloc[0]) for arm in ("control", "compressed")}
-    value = stats.speedup(seconds["control"], seconds["compressed"])
+    seconds = {arm: float(train.loc[train["arm"] == arm, column].iloc[0]) for arm in ARMS}
+    value = stats.speedup(seconds[CONTROL], seconds[COMPRESSED])
     return Screen(
         name=name,
         title=title,
-        group=SPEED,
         unit=RATIO,
         estimate=value,
         threshold=cfg.min_speedup,
@@ -408,8 +404,8 @@ def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str,
         decided_on="estimate",
         passed=_decide(value, ">=", cfg.min_speedup),
         method=f"control seconds / compressed seconds, {what}; one measured run per arm",
-        run_ids={"train/control": _run_id(train, "arm", "control"), "train/compressed": _run_id(train, "arm", "compressed")},
-        details={"control_seconds": seconds["control"], "compressed_seconds": seconds["compressed"]},
+        run_ids={f"train/{arm}": _run_id(train, "arm", arm) for arm in ARMS},
+        details={f"{arm}_seconds": seconds[arm] for arm in ARMS},
         sensitivity={
             "relative_distance": value / cfg.min_speedup - 1,
             "note": f"one run per arm, no interval; {value / cfg.min_speedup - 1:+.1%} from the threshold",
@@ -487,7 +483,7 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
                 # An older record, without bytes/setup: several workers' total is not known.
                 figures["bytes_total_all_workers"] = None
         arms[arm] = {"run_id": str(row["run_id"])} | figures
-    control, compressed = arms["control"]["device_seconds"], arms["compressed"]["device_seconds"]
+    control, compressed = arms[CONTROL]["device_seconds"], arms[COMPRESSED]["device_seconds"]
     ratio = compressed / control if control and compressed is not None else None
     return {"arms": arms, "device_seconds_ratio": ratio}
 

@@ -77,7 +77,7 @@ def test_overrides_are_typed():
         ("train.warmup_updates=99", "train.warmup_updates"),
         ("noequals", "expected key=value"),
         # YAML reads 123 as a number; the line says how to write the name.
-        ("experiment=123", 'experiment: Input should be a valid string (got 123); quote it to mean the text: "123"'),
+        ("experiment=123", """experiment: Input should be a valid string (got 123); YAML read it as a number: for text, quote it inside the word, as --set 'experiment="..."'"""),
         # Infinity passes `> 0` and fails far later (a timeout of inf overflows).
         ("train.lr=inf", "train.lr: Input should be a finite number"),
         ("screens.min_speedup=nan", "screens.min_speedup: Input should be a finite number"),

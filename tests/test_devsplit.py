@@ -77,6 +77,18 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
     assert devsplit.choose(list(seed), seed, by_lr, threshold=0.01) == {"families": ["moved"], "lr": None}
 
 
+def test_a_source_too_small_for_probes_of_its_own_is_refused_before_any_work(cli):
+    # The final split fits (prepare takes it); the development split, drawn outside the final
+    # probes' topics, does not. Before, that surfaced after the lock and the seed's load.
+    assert cli("prepare", "--preset", "tiny", "--set", "data.replay_docs=3300", "--dry-run").returncode == 0
+    done = cli("dev-split", "--preset", "tiny", "--set", "data.replay_docs=3300", "--dry-run")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("coopstudy dev-split: error: data.replay_docs: 3300 replay conversations do not fit: ") and line.endswith(
+        "(the development split draws its replay and probes outside the 4 topics of the final probes)"
+    ), line
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -96,6 +108,10 @@ def test_the_rule_keeps_unsolved_families_that_training_moves_and_the_largest_sa
         (("--families", "gcd", "products", "letter_counting", "chain_sum", "lcm", "leg_counting", "basic_arithmetic", "count_bits"),
          "--dev-seed: the seed ranges of the development split's lcm (9000000..9000107) and the final test's gcd (from 9000000) overlap; "
          "choose a seed whose ranges (1,000,000 apart, one per family) meet neither, e.g. --dev-seed 500000"),
+        # The split trains on its own families: lcm's training range, beyond the preset's four, is checked too
+        # (before, the dry run passed it and the run refused it after the lock, naming data.test_seed).
+        (("--families", "gcd", "products", "letter_counting", "chain_sum", "lcm", "--dev-seed", "4001000"),
+         "--dev-seed: the seed ranges of the development split's training lcm (4001000..4001011) and the development split's gcd (from 4001000) overlap"),
     ],
 )
 def test_bad_dev_split_input_is_one_line(prepared_tiny, cli, args, message):

@@ -368,7 +368,7 @@ def test_the_timed_train_runs_are_the_ones_select_committed(tiny):
     # compared with the ones select committed.
     ids = make_study(tiny)
     _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": None})
-    with pytest.raises(RefusedError, match=r"select run \w+ names no train run for arm control \(no coopstudy.candidate_run.control tag\); select again"):
+    with pytest.raises(RefusedError, match=r"select run \w+ names no train run for arm control \(no coopstudy.candidate_run.control tag\): the record disagrees with the selection"):
         records.load(tiny)
     _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": ids["train/compressed"]})
     with pytest.raises(RefusedError, match=f"train run {ids['train/compressed']} of arm control left weights c1c1c1c1c1c1, but select run \\w+ committed "):
@@ -419,6 +419,14 @@ def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(ca
     assert said in " ".join(out.split())
     md = (tmp_path / "report.md").read_text()
     assert said in md and f"| compressed | {faster} | FINISHED | 20.0 | 30.0 |  |" in md
+
+
+def test_train_runs_of_another_plan_of_the_same_config_are_not_this_studys_attempts(tiny):
+    ids = make_study(tiny, plan=PLAN)
+    other = _train(tiny, "compressed", active=10.0, complete=20.0, plan="cd" * 32)
+    recs = records.load(tiny)
+    assert recs.plan == PLAN and other not in set(recs.attempts["run_id"])
+    assert sorted(recs.attempts["run_id"]) == sorted([ids["train/control"], ids["train/compressed"]])
 
 
 def test_plan_argument_must_be_a_sha(tiny):

@@ -8,7 +8,6 @@ gives the dotted-key dict that is logged whole as MLflow params.
 from __future__ import annotations
 
 import difflib
-import json
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -433,8 +432,10 @@ def _describe(err: ValidationError) -> str:
     given = first.get("input")
     shown = f" (got {given!r})" if not isinstance(given, dict) else ""
     if first["type"] == "string_type" and isinstance(given, (int, float, bool)):
-        # YAML read `--set experiment=123` as a number: quoted, it is a string.
-        shown += f"; quote it to mean the text: \"{json.dumps(given)}\""
+        # YAML read `--set experiment=123` as a number; only quotes inside
+        # the shell's word make it text (the value as typed is gone by now).
+        kind = "true/false" if isinstance(given, bool) else "a number"
+        shown += f"; YAML read it as {kind}: for text, quote it inside the word, as --set '{loc}=\"...\"'"
     return f"{loc}: {msg}{shown}"
 
 

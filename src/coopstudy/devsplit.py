@@ -104,12 +104,21 @@ def _development_pool(cfg: Config) -> conversations.Pool:
     probes from: conversation_pool(cfg) less every topic of `cfg`'s final
     retention probes, so that nothing chosen on the development split (the
     learning rate, by the retention screen) was chosen on a final probe or a
-    sibling of one."""
+    sibling of one. Refused when too few are left for the split's own."""
+    d = cfg.data
     pool = data.conversation_pool(cfg)
-    probes, _, _ = data.split_conversations(pool, cfg.data.retention_docs, cfg.data.replay_docs, cfg.data.replay_seed)
+    probes, _, _ = data.split_conversations(pool, d.retention_docs, d.replay_docs, d.replay_seed)
     final = {c.group for c in probes}
     kept = [c for c in pool.conversations if c.group not in final]
-    return conversations.Pool(kept, pool.info | {"development": f"less the {len(final)} topics of the final retention probes"})
+    where = f"the development split draws its replay and probes outside the {len(final)} topics of the final probes"
+    if len(kept) < d.replay_docs + d.retention_docs:
+        raise UserError(f"data.replay_source: {len(kept)} conversations are left for {d.replay_docs + d.retention_docs}, as {where}")
+    dev_pool = conversations.Pool(kept, pool.info | {"development": f"less the {len(final)} topics of the final retention probes"})
+    try:
+        data.split_conversations(dev_pool, d.retention_docs, d.replay_docs, d.replay_seed)
+    except UserError as err:
+        raise UserError(f"{err} ({where})") from None
+    return dev_pool
 
 
 def _options_of(cfg: Config, families: list[str]) -> dict[str, dict]:
@@ -181,8 +190,9 @@ def check_arguments(cfg: Config, args: argparse.Namespace) -> Config:
     return _checked(cfg, args)[0]
 
 
-def _checked(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[float], int]:
-    """Every refusal of dev-split's arguments; then the development config, the learning rates and the updates."""
+def _checked(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[float], int, conversations.Pool]:
+    """Every refusal of dev-split's arguments; then the development config,
+    the learning rates, the updates and the conversations of its replay and probes."""
     lrs = args.lrs or [cfg.train.lr * f for f in (0.5, 1.0, 2.0, 4.0)]
     if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
         raise UserError("--lrs: each learning rate must be a positive number")
@@ -202,13 +212,13 @@ def _checked(cfg: Config, args: argparse.Namespace) -> tuple[Config, list[float]
     updates = args.updates if args.updates is not None else dev.train.updates
     if not 1 <= updates <= dev.train.updates:
         raise UserError(f"--updates: between 1 and train.updates ({dev.train.updates}), not {updates}")
-    return dev, lrs, updates
+    return dev, lrs, updates, _development_pool(cfg)
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    dev, lrs, updates = _checked(cfg, args)
+    dev, lrs, updates, pool = _checked(cfg, args)
     families = list(dev.data.families)
     console = ui.console(120)
     holder = f"coopstudy dev-split --preset {cfg.preset_argument}"
@@ -217,7 +227,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         seed = resolve_seed(dev)
         tokenizer = scoring.load_tokenizer(seed.path, "seed")
         start = time.perf_counter()
-        built = data.build(dev, tokenizer, seed, ui.track, pool=_development_pool(cfg))
+        built = data.build(dev, tokenizer, seed, ui.track, pool=pool)
         folder, _ = data.write_prepared(built)
         prepared = data.load_folder(folder, built.digest)
         console.print(

@@ -25,7 +25,7 @@ from typing import Any
 from coopstudy import machine, ui, workspace
 from coopstudy.config import EvaluateConfig
 from coopstudy.errors import UserError, labelled
-from coopstudy.inputs import chat, tasks
+from coopstudy.inputs import chat, seed, tasks
 from coopstudy.record import schema
 
 END_OF_TURN = "<|im_end|>"
@@ -101,10 +101,10 @@ def _cannot_load(name: str, what: str, path: Path, err: BaseException, *, remade
     what is wrong), how to have it made again: a seed is converted again, a
     checkpoint comes back from its train run's artifact."""
     hint = None
-    if remade and path.is_relative_to(workspace.home() / "seeds"):
-        hint = f"delete {path} to have the seed made again"
-    elif remade and path.is_relative_to(workspace.home() / "checkpoints"):
-        hint = f"delete {path} to have it brought back from its train run's `{schema.ART_CHECKPOINT}` artifact"
+    if remade:
+        hint = seed.remake_hint(path)
+        if hint is None and path.is_relative_to(workspace.home() / workspace.CHECKPOINTS):
+            hint = f"delete {path} to have it brought back from its train run's `{schema.ART_CHECKPOINT}` artifact"
     return UserError(f"{name}: the {what} in {path} cannot be loaded ({labelled(err)})", hint=hint)
 
 

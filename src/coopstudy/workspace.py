@@ -19,6 +19,8 @@ from coopstudy.errors import UserError
 HOME_VARIABLE = "COOPSTUDY_HOME"
 WEIGHTS_FILE = "model.safetensors"
 """The weights file of every checkpoint the study writes or reads (HF format)."""
+CHECKPOINTS = "checkpoints"
+"""`<home>/checkpoints/<run id>/`: each train run's final checkpoint."""
 
 
 def project_root() -> Path:

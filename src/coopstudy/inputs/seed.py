@@ -110,9 +110,18 @@ def _gguf_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+SEEDS = "seeds"
+"""`<home>/seeds/`: the seed models this project makes (random, converted from GGUF), each in a folder of its own."""
+
+
+def remake_hint(path: Path) -> str | None:
+    """How to have the seed in `path` made again, where this project made it."""
+    return f"delete {path} to have the seed made again" if path.is_relative_to(workspace.home() / SEEDS) else None
+
+
 def _cached(name: str, info: dict[str, Any], build) -> Path:
     """`<home>/seeds/<name>`, made by `build(tmp_dir)` unless already complete."""
-    final = workspace.subdir("seeds") / name
+    final = workspace.subdir(SEEDS) / name
     if (final / SEED_INFO).is_file():
         return final
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))

@@ -10,7 +10,7 @@ from coopstudy.commit import ledger
 from coopstudy.config import Config
 from coopstudy.errors import UserError, labelled
 from coopstudy.inputs import data, tasks
-from coopstudy.inputs.seed import resolve_seed
+from coopstudy.inputs.seed import remake_hint, resolve_seed
 from coopstudy.record import schema, writer
 
 HELP = "resolve the seed model; generate, tokenize, schedule and hash the inputs; commit them"
@@ -63,10 +63,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             tokenizer = AutoTokenizer.from_pretrained(seed.path)
         except Exception as err:  # noqa: BLE001 - any failure means the same: no usable tokenizer there
             # Not scoring.load_tokenizer: prepare's sources (its step key) stay free of the evaluation's.
-            made_here = seed.path.is_relative_to(workspace.home() / "seeds")
             raise UserError(
-                f"seed model: the tokenizer in {seed.path} cannot be loaded ({labelled(err)})",
-                hint=f"delete {seed.path} to have the seed made again" if made_here else None,
+                f"seed model: the tokenizer in {seed.path} cannot be loaded ({labelled(err)})", hint=remake_hint(seed.path)
             ) from None
         built = data.build(cfg, tokenizer, seed, ui.track, pool)
         folder, status = data.write_prepared(built)
