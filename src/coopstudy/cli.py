@@ -32,7 +32,6 @@ from typing import Any, NoReturn
 from coopstudy import config as config_mod
 from coopstudy import workspace
 from coopstudy.errors import UserError
-from coopstudy.record.store import REMOTE_FILE
 
 # In protocol order; `--help` lists them so.
 STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
@@ -44,13 +43,22 @@ TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote"
 UNLISTED = ("worker",)
 SUBCOMMAND_DESTS = ("bench", "command")
 """Where `bench` and `remote` keep their subcommand: a refusal names it as the parser does."""
-WHERE_THINGS_GO = textwrap.fill(
-    "where things go: the study's files (<home>: prepared inputs, seeds, checkpoints, the ledger, "
-    f"reports) in ${workspace.HOME_VARIABLE}, else .coopstudy/ in the project; every run in the MLflow "
-    f"store of $MLFLOW_TRACKING_URI, else the server the project's {REMOTE_FILE} names, "
-    "else mlflow.db in the project (README: A shared tracking server)"
-)
 DEFAULT_PRESET = "smollm2-135m-cpu"
+
+
+def where_things_go() -> str:
+    """The epilog of every help: where the study's files and runs go. (The
+    store module is imported here, not with this one: it reads `mlflow run`'s
+    variables once, when imported, and tests/warm_cli.py imports this module
+    in a server before any command's environment is set.)"""
+    from coopstudy.record.store import REMOTE_FILE
+
+    return textwrap.fill(
+        "where things go: the study's files (<home>: prepared inputs, seeds, checkpoints, the ledger, "
+        f"reports) in ${workspace.HOME_VARIABLE}, else .coopstudy/ in the project; every run in the MLflow "
+        f"store of $MLFLOW_TRACKING_URI, else the server the project's {REMOTE_FILE} names, "
+        "else mlflow.db in the project (README: A shared tracking server)"
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +164,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action=_Version)
-    parser.epilog = WHERE_THINGS_GO
+    parser.epilog = where_things_go()
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
     for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
         module = _module(name)
@@ -166,7 +174,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             description=getattr(module, "DESCRIPTION", module.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
             allow_abbrev=False,
-            epilog=WHERE_THINGS_GO,
+            epilog=parser.epilog,
         )
         if name in STEPS:
             add_config_arguments(p)

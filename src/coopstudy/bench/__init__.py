@@ -96,13 +96,13 @@ def _described(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from coopstudy.cli import WHERE_THINGS_GO, add_config_arguments
+    from coopstudy.cli import add_config_arguments, where_things_go
 
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
 
     def bench(name: str, summary: str) -> argparse.ArgumentParser:
         b = sub.add_parser(
-            name, help=summary, description=_described(name), formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WHERE_THINGS_GO
+            name, help=summary, description=_described(name), formatter_class=argparse.RawDescriptionHelpFormatter, epilog=where_things_go()
         )
         add_config_arguments(b)
         return b
