@@ -140,9 +140,9 @@ class Records:
     retention: pd.DataFrame
     """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
     attempts: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """One row per train run under the study's key, whatever its status, oldest
-    first: arm, run_id, status, active_seconds, complete_seconds (NaN when not
-    logged), timed (the run select took, whose seconds the screens use). Every
+    """One row per train run under the study's plan (else its key), whatever
+    its status, oldest first: arm, run_id, status, active_seconds,
+    complete_seconds (NaN when not logged), timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     inputs: dict[str, Any] | None = None
     """What the prepare run that made the train runs' inputs says of them

@@ -77,7 +77,7 @@ def test_overrides_are_typed():
         ("train.warmup_updates=99", "train.warmup_updates"),
         ("noequals", "expected key=value"),
         # YAML reads 123 as a number; the line says how to write the name.
-        ("experiment=123", """experiment: Input should be a valid string (got 123); YAML read it as a number: for text, quote it inside the word, as --set 'experiment="..."'"""),
+        ("experiment=123", """experiment: Input should be a valid string (got 123); YAML read it as a number: put it in quotes to mean text (with --set, inside the shell's word: --set 'experiment="..."')"""),
         # Infinity passes `> 0` and fails far later (a timeout of inf overflows).
         ("train.lr=inf", "train.lr: Input should be a finite number"),
         ("screens.min_speedup=nan", "screens.min_speedup: Input should be a finite number"),
@@ -99,6 +99,13 @@ def test_bad_values_name_the_key(override, key):
     message = str(err.value)
     assert key in message
     assert "\n" not in message
+
+
+def test_a_list_item_read_as_a_number_gets_no_set_form_for_its_place():
+    # `--set 'data.families.1="123"'` is refused: a list item's place is no key.
+    with pytest.raises(ConfigError) as err:
+        config.load("tiny", ["data.families=[gcd, 123]"])
+    assert str(err.value).endswith("data.families.1: Input should be a valid string (got 123); YAML read it as a number: put it in quotes to mean text")
 
 
 def test_cli_refuses_bad_config_with_one_line(cli):

@@ -432,10 +432,13 @@ def _describe(err: ValidationError) -> str:
     given = first.get("input")
     shown = f" (got {given!r})" if not isinstance(given, dict) else ""
     if first["type"] == "string_type" and isinstance(given, (int, float, bool)):
-        # YAML read `--set experiment=123` as a number; only quotes inside
-        # the shell's word make it text (the value as typed is gone by now).
+        # YAML read `--set experiment=123` as a number; only quotes that
+        # reach YAML make it text (the value as typed is gone by now). A
+        # list item's place is no key --set takes.
         kind = "true/false" if isinstance(given, bool) else "a number"
-        shown += f"; YAML read it as {kind}: for text, quote it inside the word, as --set '{loc}=\"...\"'"
+        shown += f"; YAML read it as {kind}: put it in quotes to mean text"
+        if all(isinstance(p, str) for p in first["loc"]):
+            shown += f" (with --set, inside the shell's word: --set '{loc}=\"...\"')"
     return f"{loc}: {msg}{shown}"
 
 

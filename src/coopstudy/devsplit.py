@@ -7,9 +7,9 @@ The development split is the final test of another seed: the preset's data
 with data.families = --families and data.test_seed = --dev-seed, built as
 `prepare` builds it (inputs.data.build: the same task documents and
 schedule, questions seen in training dropped; tasks.check_development_seed
-refuses a seed whose range meets the preset's training or final test), with
-replay and retention probes drawn as `prepare` draws them from the
-conversations less every topic of the final retention probes
+refuses a seed whose range meets the preset's training, its own or the
+final test), with replay and retention probes drawn as `prepare` draws them
+from the conversations less every topic of the final retention probes
 (_development_pool). Nothing of the final test or the final probes is read.
 The seed is scored on it (scoring.score_model: every family's accuracy, the
 retention NLL), then, for each learning rate, one control-arm training from
@@ -52,9 +52,10 @@ Chooses families and the learning rate on a development split, never on the
 final test. The split is built as `prepare` builds the final test, from the
 preset's data with data.families = --families and data.test_seed =
 --dev-seed (questions seen in training dropped); a seed whose questions could
-meet the preset's training or final test is refused. Its replay and retention
-probes come from the conversations less every topic of the final retention
-probes. Nothing of the final test or of the final probes is read.
+meet the preset's training, its own training or the final test is refused.
+Its replay and retention probes come from the conversations less every topic
+of the final retention probes. Nothing of the final test or of the final
+probes is read.
 
 The seed model is scored on the split (each family's accuracy, the retention
 NLL). Then, for each learning rate, one control-arm training from the seed
@@ -112,7 +113,10 @@ def _development_pool(cfg: Config) -> conversations.Pool:
     kept = [c for c in pool.conversations if c.group not in final]
     where = f"the development split draws its replay and probes outside the {len(final)} topics of the final probes"
     if len(kept) < d.replay_docs + d.retention_docs:
-        raise UserError(f"data.replay_source: {len(kept)} conversations are left for {d.replay_docs + d.retention_docs}, as {where}")
+        raise UserError(
+            f"data.replay_source: {len(kept)} conversations are left for {d.replay_docs + d.retention_docs}, as {where}; "
+            "lower data.replay_docs or data.retention_docs"
+        )
     dev_pool = conversations.Pool(kept, pool.info | {"development": f"less the {len(final)} topics of the final retention probes"})
     try:
         data.split_conversations(dev_pool, d.retention_docs, d.replay_docs, d.replay_seed)
