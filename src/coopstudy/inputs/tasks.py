@@ -102,18 +102,16 @@ def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_se
     refusal names the first seed, in steps of half a family's range, that
     meets neither."""
 
+    # The split trains on its own families too (data.build checks that against
+    # its test); a family at the same place trains on the same range.
+    study = _ranges(cfg_data.families, cfg_data.generation_seed, cfg_data.tasks_per_family, "training")
+    own = _ranges(families, cfg_data.generation_seed, cfg_data.tasks_per_family, "the development split's training")
+    starts = {start for start, _, _ in study}
+    final = _ranges(cfg_data.families, cfg_data.test_seed, final_budget(cfg_data.test_per_family), "the final test's")
+    fixed = study + [r for r in own if r[0] not in starts] + final
+
     def ranges(seed: int) -> list[tuple[int, int, str]]:
-        # The split trains on its own families too (data.build checks that
-        # against its test); a family at the same place trains on the same range.
-        study = _ranges(cfg_data.families, cfg_data.generation_seed, cfg_data.tasks_per_family, "training")
-        own = _ranges(families, cfg_data.generation_seed, cfg_data.tasks_per_family, "the development split's training")
-        starts = {start for start, _, _ in study}
-        return (
-            study
-            + [r for r in own if r[0] not in starts]
-            + _ranges(cfg_data.families, cfg_data.test_seed, final_budget(cfg_data.test_per_family), "the final test's")
-            + _ranges(families, seed, final_budget(cfg_data.test_per_family), "the development split's")
-        )
+        return fixed + _ranges(families, seed, final_budget(cfg_data.test_per_family), "the development split's")
 
     said = _overlap(ranges(dev_seed))
     if said:
