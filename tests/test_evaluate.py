@@ -373,6 +373,35 @@ def test_evaluate_refuses_a_checkpoint_that_cannot_be_loaded(prepared_tiny, plan
     assert not _child_runs()  # refused before any model was scored
 
 
+@pytest.mark.slow
+def test_a_checkpoint_whose_other_files_are_spoilt_is_brought_back_as_the_refusal_says(prepared_tiny, planned, capsys):
+    # The weights hash as selected, so only the tokenizer's file can be what is
+    # wrong: the refusal says to delete the folder, and evaluate then brings
+    # it back, whole, from the train run's checkpoint artifact.
+    cfg = config.load("tiny")
+    (seed_dir,) = (Path(prepared_tiny.home) / "seeds").glob("random-*")
+    for arm in ("control", "compressed"):
+        run_id, folder = fake_train_run(cfg, arm, seed_dir)
+        store.client().log_artifacts(run_id, str(folder), schema.ART_CHECKPOINT)
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    (entry,) = [e for e in _ledger_candidates() if e.details["arm"] == "compressed"]
+    folder = Path(entry.details["path"])
+    (folder / "tokenizer.json").write_text("{ not json")
+    capsys.readouterr()
+
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"coopstudy evaluate: error: compressed: the tokenizer in {folder} cannot be loaded ("), line
+    assert line.endswith(f"; delete {folder} to have it brought back from its train run's `{schema.ART_CHECKPOINT}` artifact"), line
+    assert not _child_runs()
+
+    shutil.rmtree(folder)
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 0
+    assert "bringing the folder back from the `checkpoint` artifact" in capsys.readouterr().out
+    assert json.loads((folder / "tokenizer.json").read_text()) == json.loads((seed_dir / "tokenizer.json").read_text())
+    assert len(_child_runs()) == 3
+
+
 def test_evaluate_refuses_an_empty_test_set(planned, monkeypatch, capsys, tmp_path):
     from coopstudy.commit import candidates
     from coopstudy.inputs import data
