@@ -74,6 +74,29 @@ def test_select_commits_both_candidates_once(cfg, trained, capsys):
     assert select_run.info.run_id in refused.data.tags[schema.TAG_ERROR]
 
 
+def test_a_selection_the_disk_cuts_short_commits_no_candidate_and_select_runs_again(cfg, trained, monkeypatch, capsys):
+    # Both candidates are one commitment. Before, each arm was a write of its
+    # own: a disk full at the second left the control's alone, and then select
+    # refused as "already selected" while evaluate asked for select.
+    import os
+
+    real_write = os.write
+
+    def full_at_the_compressed_arm(fd, data):
+        if b'"subject": "' + PLAN.encode() + b'/compressed"' in bytes(data):
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "write", full_at_the_compressed_arm)
+        assert cli.main(["select", "--preset", "tiny"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not _candidate_entries()
+    assert cli.main(["select", "--preset", "tiny"]) == 0
+    (select_run,) = _runs(schema.STAGE_SELECT, "FINISHED")
+    assert {e.details["arm"]: e.details["select_run_id"] for e in _candidate_entries()} == {arm: select_run.info.run_id for arm in ARMS}
+
+
 def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, planned, capsys):
     fake_train_run(cfg, "control", tiny_seed.path)
     failed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path, status="FAILED")

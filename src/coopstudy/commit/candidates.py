@@ -163,14 +163,18 @@ def final_candidates(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> d
 
 
 def commit(cfg: Config, plan_sha: str, found: dict[str, Candidate], select_run_id: str, ledger: ledger_mod.Ledger) -> None:
-    """Append both candidates, unless another select committed this plan's
-    first: the caller holds the ledger's lock (Ledger.locked) from its check on."""
+    """Append both candidates in one write, unless another select committed
+    this plan's first: the caller holds the ledger's lock (Ledger.locked) from
+    its check on."""
     _refuse_if_selected(plan_sha, ledger)
-    for arm in ARMS:
-        cand = found[arm]
-        ledger.append(
-            ledger_mod.CANDIDATE,
-            subject(plan_sha, arm),
-            cand.sha256,
-            {"arm": arm, "path": str(cand.path), "train_run_id": cand.train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
-        )
+    ledger.extend(
+        [
+            (
+                ledger_mod.CANDIDATE,
+                subject(plan_sha, arm),
+                found[arm].sha256,
+                {"arm": arm, "path": str(found[arm].path), "train_run_id": found[arm].train_run_id, "select_run_id": select_run_id, "preset": cfg.preset},
+            )
+            for arm in ARMS
+        ]
+    )

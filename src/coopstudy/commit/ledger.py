@@ -135,29 +135,34 @@ class Ledger:
                 self._held = None
 
     def append(self, kind: str, subject: str, digest: str, details: dict[str, Any] | None = None) -> Entry:
+        (entry,) = self.extend([(kind, subject, digest, details or {})])
+        return entry
+
+    def extend(self, items: Sequence[tuple[str, str, str, dict[str, Any]]]) -> list[Entry]:
+        """Append (kind, subject, digest, details) entries in one write: all of
+        them or, on a failure or an interrupt part-way, none (select's two
+        candidates are one commitment; half of it would refuse both a second
+        select and evaluate)."""
         with self.locked():
             fh = self._held
             assert fh is not None
             existing = self.entries()
-            body = {
-                "seq": len(existing),
-                "time": time.time(),
-                "kind": kind,
-                "subject": subject,
-                "digest": digest,
-                "details": details or {},
-                "prev": existing[-1].hash if existing else GENESIS,
-            }
-            entry = Entry(**body, hash=_entry_hash(body))
-            line = json.dumps(body | {"hash": entry.hash}, sort_keys=True) + "\n"
+            prev, now = (existing[-1].hash if existing else GENESIS), time.time()
+            entries, lines = [], []
+            for seq, (kind, subject, digest, details) in enumerate(items, start=len(existing)):
+                body = {"seq": seq, "time": now, "kind": kind, "subject": subject, "digest": digest, "details": details, "prev": prev}
+                entry = Entry(**body, hash=_entry_hash(body))
+                entries.append(entry)
+                lines.append(json.dumps(body | {"hash": entry.hash}, sort_keys=True) + "\n")
+                prev = entry.hash
             fd = fh.fileno()
             size = os.fstat(fd).st_size
             # Written past the file object's buffer: a buffered write that fails
             # part-way keeps the rest to flush again on truncate and on close,
             # which on a full disk would leave the half line the truncate undoes.
-            rest = line.encode()
+            rest = "".join(lines).encode()
             try:
-                # One line, on disk before the commitment is reported anywhere.
+                # On disk before the commitment is reported anywhere.
                 while rest:
                     rest = rest[os.write(fd, rest) :]
                 os.fsync(fd)
@@ -167,7 +172,7 @@ class Ledger:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, size)
                 raise
-        return entry
+        return entries
 
     def latest(self, kind: str, subject: str, entries: Sequence[Entry] | None = None) -> Entry | None:
         """The newest entry of this kind and subject, or None; of `entries` where given (read already)."""
