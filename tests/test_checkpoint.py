@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -101,9 +103,6 @@ def test_a_tensor_missing_on_disk_is_caught(model, tokenizer, tmp_path):
 
 def _no_space_while_writing_weights(monkeypatch) -> None:
     """The disk fills up halfway through the weights file."""
-    import errno
-    import os
-
     from transformers import modeling_utils
 
     real = modeling_utils.safe_save_file
@@ -135,6 +134,26 @@ def test_an_interrupt_while_writing_keeps_nothing(model, tokenizer, tmp_path, mo
     monkeypatch.setattr(tokenizer, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(model, tokenizer, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt(), OSError(errno.EIO, os.strerror(errno.EIO))], ids=["interrupt", "EIO"])
+def test_a_failure_after_the_rename_keeps_nothing_either(failure, model, tokenizer, tmp_path, monkeypatch):
+    # The folder is whole at its name when its parent's entry is synced: a
+    # failure there must take it away too, as it says.
+    real_fsync = checkpoint._fsync
+    folder = tmp_path / "ckpt"
+
+    def fails_at_the_parent(path):
+        if path == tmp_path:
+            raise failure
+        real_fsync(path)
+
+    monkeypatch.setattr(checkpoint, "_fsync", fails_at_the_parent)
+    with pytest.raises((KeyboardInterrupt, checkpoint.CheckpointWriteFailed)) as failed:
+        checkpoint.save(model, tokenizer, folder)
+    if isinstance(failure, OSError):
+        assert str(failed.value).endswith("(EIO); nothing of it was kept")
     assert list(tmp_path.iterdir()) == []
 
 

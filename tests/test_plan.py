@@ -87,9 +87,29 @@ def test_the_plan_hashes_every_commitment_and_is_committed_once(planned, tmp_pat
     assert f"plan {sha} committed (ledger entry {entry.seq}): {plan.file(entry)}" in done.stdout.splitlines()
     (run,) = _runs(f"attributes.run_name = 'plan-tiny' and tags.`{schema.TAG_PLAN}` = '{sha}'")
     assert json.loads(store.download_artifact(run.info.run_id, schema.ART_PLAN, tmp_path).read_text()) == doc
+    written = plan.file(entry).stat()
     again = run_cli("plan", "--preset", "tiny")
     assert again.returncode == 0 and f"plan {sha} unchanged, already committed" in again.stdout
+    # Not written again: a write cut short there would spoil a committed plan.
+    assert plan.file(entry).stat().st_mtime_ns == written.st_mtime_ns
     assert [e.digest for e in ledger.Ledger().entries() if e.kind == ledger.PLAN and e.subject == plan.subject(cfg)] == [sha]
+
+
+def test_a_committed_file_whose_rewrite_is_cut_short_stays_as_it_was(planned, monkeypatch):
+    import os
+
+    path = plan.file(ledger.Ledger().latest(ledger.PLAN, plan.subject(config.load("tiny"))))
+    before = path.read_bytes()
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "fsync", no_space)
+        with pytest.raises(OSError, match="No space left"):
+            workspace.write_text(path, "{}")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_train_refuses_without_a_plan():

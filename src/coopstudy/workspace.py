@@ -58,6 +58,25 @@ def subdir(*parts: str) -> Path:
     return path
 
 
+def write_text(path: Path, text: str) -> None:
+    """`text` as the whole of `path`, or the file as it was: written under a
+    temporary name and renamed over it, so a full disk or an interrupt never
+    leaves a committed file half written (which every later step would refuse
+    as edited). A file that already holds `text` is left alone."""
+    data = text.encode()
+    if path.is_file() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -166,8 +166,8 @@ def commit(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> Co
     doc = build(cfg, prepared, gate_entry)
     sha = digest(doc)
     path = workspace.subdir("plans") / f"{sha}.json"
-    # Named by its digest: rewriting it writes the same document.
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    # Named by its digest: a plan committed again finds its file as written.
+    workspace.write_text(path, json.dumps(doc, indent=2, sort_keys=True))
     book = ledger.Ledger()
     latest = book.latest(ledger.PLAN, subject(cfg))
     if latest is not None and latest.digest == sha:

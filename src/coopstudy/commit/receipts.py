@@ -206,7 +206,7 @@ def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledge
     ledger and its run keep every attempt) and commit it to the ledger."""
     name = receipt["setting"]["name"]
     path = probe_dir(cfg, make=True) / f"{name}.json"
-    path.write_text(json.dumps(receipt, indent=2, sort_keys=True))
+    workspace.write_text(path, json.dumps(receipt, indent=2, sort_keys=True))
     sha = workspace.sha256_file(path)
     entry = ledger.Ledger().append(
         ledger.PROBE,

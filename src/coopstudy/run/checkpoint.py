@@ -59,6 +59,7 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    renamed = False
     try:
         tmp.mkdir()
         # One file, whatever the model size (transformers shards only above
@@ -72,28 +73,34 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
         digest = workspace.sha256_file(path)
         verify(tmp, model.state_dict(), digest)
         os.replace(tmp, folder)
+        renamed = True
         _fsync(folder.parent)
     except OSError as err:
-        _discard(tmp, folder)
+        _discard(tmp, folder, renamed)
         what = errno.errorcode.get(err.errno or 0, type(err).__name__)
         raise CheckpointWriteFailed(
             f"cannot write the checkpoint {folder}: {err.strerror or err} ({what}); nothing of it was kept"
         ) from err
     except BaseException:
-        _discard(tmp, folder)
+        _discard(tmp, folder, renamed)
         raise
     return Saved(folder=folder, sha256=digest, seconds=time.perf_counter() - start)
 
 
 def withdraw(saved: Saved) -> None:
-    """Remove a saved checkpoint whose run then failed: nothing at its name,
-    even if the removal is cut short (it is renamed aside first)."""
-    aside = saved.folder.parent / f".tmp-{saved.folder.name}-{os.getpid()}"
+    """Remove a saved checkpoint whose run then failed."""
+    _remove(saved.folder)
+
+
+def _remove(folder: Path) -> None:
+    """Nothing at `folder`'s name, even if the removal is cut short (it is
+    renamed aside first)."""
+    aside = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(aside, ignore_errors=True)
     try:
-        os.replace(saved.folder, aside)
+        os.replace(folder, aside)
     except OSError:
-        aside = saved.folder
+        aside = folder
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -113,8 +120,11 @@ def _flush(folder: Path) -> None:
     _fsync(folder)
 
 
-def _discard(tmp: Path, folder: Path) -> None:
+def _discard(tmp: Path, folder: Path, renamed: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+    if renamed:  # whole, but its name may not be on disk: no run will record it
+        _remove(folder)
+        return
     # The caller's empty folder goes too: nothing at the checkpoint's name.
     with contextlib.suppress(OSError):
         folder.rmdir()

@@ -600,8 +600,5 @@ def node_hostfile(nodes: int, per_node: int) -> Path:
     without ssh the launcher reads only how many nodes and slots there are."""
     path = workspace.subdir("launch") / f"nodes-{nodes}x{per_node}"
     text = "".join(f"node{n} slots={per_node}\n" for n in range(nodes))
-    if not path.is_file() or path.read_text() != text:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    workspace.write_text(path, text)
     return path
