@@ -318,6 +318,18 @@ def test_an_outbox_that_names_no_server_is_one_line(text):
     assert line == f"coopstudy remote deliver: error: outbox {path}: no record in it names its server; give --tracking-uri"
 
 
+def test_remote_deliver_refuses_a_tracking_uri_it_cannot_open():
+    path = outbox.outbox_dir() / "0123.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = json.dumps({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]}) + "\n"
+    path.write_text(kept)
+    done = run_cli("remote", "deliver", "0123", "--tracking-uri", "nosuch://x")
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("coopstudy remote deliver: error: tracking URI 'nosuch://x' (from --tracking-uri) cannot be opened. "), line
+    assert path.read_text() == kept  # still waiting, for the right URI
+
+
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):
     """Two prepares log the same files at once: MLflow looks for the experiment's
     dataset row, then inserts it, so both may miss it and the second insert is
