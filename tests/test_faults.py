@@ -554,6 +554,10 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     assert said and all(s.startswith("Stopped: stopped by SIGTERM") for s in said), said
     # What rank 0 measured before the stop (update 1 at least) reached the run.
     assert _client(ends_store).get_metric_history(run.info.run_id, schema.M_LOSS)
+    # And what it spent, which the budget guard counts: two devices until the stop.
+    spent = ended.data.metrics
+    assert spent[schema.M_DEVICE_SECONDS] == pytest.approx(2 * spent[schema.M_COMPLETE_SECONDS]) and spent[schema.M_COMPLETE_SECONDS] > 1
+    assert schema.M_COST_USD in spent
     # No checkpoint taken for final: none recorded, none on disk, and select refuses the run.
     assert schema.TAG_CHECKPOINT_SHA not in ended.data.tags
     assert not (ends_store.home / "checkpoints" / run.info.run_id).exists()

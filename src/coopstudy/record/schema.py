@@ -339,7 +339,7 @@ written at most once a minute, and after the last update, outside the window); 0
 M_ACTIVE_SECONDS = "time/active_seconds"
 """On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's seconds from the first update's start to the last update's end."""
 M_COMPLETE_SECONDS = "time/complete_seconds"
-"""On train arm, probe candidate and bench-arms runs: seconds from launching the processes to their exit, timed by the stage."""
+"""On train arm, probe candidate and bench-arms runs: seconds from launching the processes to their exit, timed by the stage (on a train run stopped by a signal, to the stop)."""
 M_CHECKPOINT_SECONDS = "time/checkpoint_seconds"
 """On a train arm run: seconds to write, hash, read back and verify the final checkpoint and log it as an artifact."""
 M_DEVICE_SECONDS = "time/device_seconds"
@@ -363,7 +363,7 @@ M_CUDA_MAX_ALLOCATED_MB = "memory/cuda_max_allocated_mb"
 M_CUDA_MAX_RESERVED_MB = "memory/cuda_max_reserved_mb"
 """On train arm, probe candidate and bench-arms runs on CUDA: torch's max_memory_reserved, the largest over ranks, MiB."""
 M_COST_USD = "cost/spent_usd"
-"""On train arm and probe candidate runs, failed ones too: device seconds / 3600 x budget.hourly_price_usd, USD."""
+"""On train arm and probe candidate runs, failed and stopped train runs too: device seconds / 3600 x budget.hourly_price_usd, USD."""
 M_OTHERS_CORES = "machine/others_cores"
 """On train arm, probe candidate and bench arms runs: the cores that processes other than the arm's own kept busy on
 rank 0's host while the arm's processes ran, on average (their CPU seconds / complete seconds, from

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,17 +200,15 @@ def train_arm(
     else:
         cmd = launch.command(cfg, arm, rec.run_id, hostfile=hostfile if arm == COMPRESSED else None)
     print(f"train {arm}: {cmd.how}, {cfg.train.updates} updates, run {rec.run_id}", flush=True)
-    done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"train {arm}", held=held)
-    device_seconds = workers * done.complete_seconds
+    start = time.perf_counter()
+    try:
+        done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"train {arm}", held=held)
+    except BaseException:
+        # A stopped attempt spent its devices until the stop: the budget guard counts it.
+        _log_spent(rec, cfg, workers, time.perf_counter() - start)
+        raise
     # A failed attempt spent its device time too: recorded either way.
-    rec.log_metrics(
-        {
-            schema.M_COMPLETE_SECONDS: done.complete_seconds,
-            schema.M_DEVICE_SECONDS: device_seconds,
-            schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
-        }
-        | launch.machine_metrics(done)
-    )
+    _log_spent(rec, cfg, workers, done.complete_seconds, launch.machine_metrics(done))
     if done.returncode != 0:
         raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode, here=workers // nodes.count if nodes else None))
 
@@ -221,6 +220,18 @@ def train_arm(
         f"complete {done.complete_seconds:.1f} s; checkpoint {record.tags[schema.TAG_CHECKPOINT_PATH]} "
         f"(sha256 {record.tags[schema.TAG_CHECKPOINT_SHA][:12]})",
         flush=True,
+    )
+
+
+def _log_spent(rec: writer.Recorder, cfg: Config, workers: int, seconds: float, machine: dict[str, float] | None = None) -> None:
+    device_seconds = workers * seconds
+    rec.log_metrics(
+        {
+            schema.M_COMPLETE_SECONDS: seconds,
+            schema.M_DEVICE_SECONDS: device_seconds,
+            schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
+        }
+        | (machine or {})
     )
 
 
