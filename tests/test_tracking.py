@@ -224,11 +224,16 @@ def test_a_stop_while_waiting_records_are_delivered_keeps_the_rest_waiting(monke
     monkeypatch.setattr(outbox, "apply", deliver)
     assert box.deliver() and not box.path.exists()
     assert [m.value for m in client.get_metric_history(run_id, schema.M_LOSS)] == [2.5, 2.0, 1.5]
-    # Nothing waits: a send the stop cuts short raises the same way.
+    # Nothing waits: a send the stop cuts short raises the same way, and keeps
+    # its record (it may not have landed) for the next delivery.
     monkeypatch.setattr(outbox, "apply", stopped_at_the_second)
     with pytest.raises(MlflowException) as stopped:
         box.send({"op": "batch", "metrics": [[schema.M_LOSS, 1.0, 0, 1]]})
-    assert isinstance(stopped.value.__cause__, errors.Stopped) and not box.path.exists()
+    assert isinstance(stopped.value.__cause__, errors.Stopped)
+    assert [json.loads(line)["metrics"][0][1] for line in box.path.read_text().splitlines()] == [1.0]
+    monkeypatch.setattr(outbox, "apply", deliver)
+    assert box.deliver() and not box.path.exists()
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, schema.M_LOSS)) == [(0, 2.5), (1, 1.0), (1, 2.0), (2, 1.5)]
 
 
 def test_a_stage_stopped_by_sigterm_during_its_end_drain_is_said_as_sigterm(monkeypatch, capsys):

@@ -332,6 +332,10 @@ class Outbox:
         except Exception as err:
             stop = _interruption(err, outer)
             if stop is not None:
+                # Kept, as `deliver` keeps the one it cut short: it may not have
+                # landed, and every record may be delivered twice.
+                with contextlib.suppress(OSError):
+                    self._keep(record)
                 _raise_as_stop(err, stop)
             if not is_outage(err, outer):
                 raise
