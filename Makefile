@@ -48,6 +48,7 @@ study: env
 test: env
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
-# The CUDA path on one GPU in under five minutes (scripts/gpu_check.py); without CUDA it says so and exits 0.
+# The CUDA path on one GPU in under five minutes (scripts/gpu_check.py); without CUDA it says so and runs
+# its CPU float64 check only (exit 0 when that passes).
 gpu-check: env
 	$(PY) scripts/gpu_check.py

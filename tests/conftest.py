@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-# Every shared fixture and helper lives in fixtures.py; importing them here is
-# what makes them fixtures of every test (pytest's own plugin named "fixtures"
+# The shared fixtures and helpers live in fixtures.py (the store isolation of
+# every test is below); importing them here is what makes them fixtures of every test (pytest's own plugin named "fixtures"
 # shadows a `pytest_plugins` entry of that name).
 from fixtures import *  # noqa: F401,F403,E402
 from fixtures import run_cli

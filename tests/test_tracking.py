@@ -170,7 +170,7 @@ def test_an_outbox_line_cut_short_is_put_aside_and_the_rest_delivered():
     path.write_text(json.dumps(batch) + '\n{"op": "batch", "metr')
     # A record kept after the cut (the stage's, once its rank died) starts a line of its own.
     later = {"op": "batch", "metrics": [[schema.M_GRAD_NORM, 0.5, 0, 1]]}
-    outbox.Outbox(run_id, store.tracking_uri(), client)._keep(later)
+    outbox.Outbox(run_id, store.tracking_uri(), client).keep(later)
     done = run_cli("remote", "deliver", run_id)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"line 2 of {path} is not a record" in done.stderr and "delivered 2 waiting records" in done.stderr, done.stderr
@@ -187,7 +187,7 @@ def test_a_stop_while_waiting_records_are_delivered_keeps_the_rest_waiting(monke
     run_id = client.create_run(store.experiment_id()).info.run_id
     box = outbox.Outbox(run_id, store.tracking_uri(), client)
     for step, value in enumerate((2.5, 2.0, 1.5)):
-        box._keep({"op": "batch", "metrics": [[schema.M_LOSS, value, 0, step]]})
+        box.keep({"op": "batch", "metrics": [[schema.M_LOSS, value, 0, step]]})
     deliver = outbox.apply
 
     def stopped_at_the_second(client, run_id, record):
@@ -242,7 +242,7 @@ def test_a_stage_stopped_by_sigterm_during_its_end_drain_is_said_as_sigterm(monk
     client = store.client()
     run_id = client.create_run(store.experiment_id()).info.run_id
     box = outbox.Outbox(run_id, store.tracking_uri(), client)
-    box._keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
+    box.keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
 
     def terminated(*args):
         raise launch.Terminated("stopped by SIGTERM; every process it launched was stopped too")
@@ -269,7 +269,7 @@ def test_a_record_that_cannot_be_kept_during_an_outage_is_not_told_as_the_outage
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(outbox, "apply", unreachable)
-    monkeypatch.setattr(box, "_keep", disk_full)
+    monkeypatch.setattr(box, "keep", disk_full)
     with pytest.raises(OSError) as full:
         box.send({"op": "batch", "metrics": []})
     assert not outbox.is_outage(full.value)
@@ -294,7 +294,7 @@ def test_a_record_refused_while_a_stop_is_handled_is_still_a_refusal(monkeypatch
     client = store.client()
     run_id = client.create_run(store.experiment_id()).info.run_id
     box = outbox.Outbox(run_id, store.tracking_uri(), client)
-    box._keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
+    box.keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
 
     def refused(client, run_id, record):
         raise MlflowException("INVALID_PARAMETER_VALUE: refused")
@@ -333,6 +333,37 @@ def test_remote_deliver_refuses_a_tracking_uri_it_cannot_open():
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("coopstudy remote deliver: error: tracking URI 'nosuch://x' (from --tracking-uri) cannot be opened. "), line
     assert path.read_text() == kept  # still waiting, for the right URI
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["finishing", "failing"])
+def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered(failing, monkeypatch):
+    # MLflow takes the run off its stack before it asks the server to end it:
+    # a Ctrl-C then left the run RUNNING, with nothing anywhere to end it.
+    from mlflow.tracking import MlflowClient
+
+    real = MlflowClient.set_terminated
+    stops = []
+
+    def stopped_once(self, run_id, status=None, end_time=None):
+        if not stops:
+            stops.append(run_id)
+            raise KeyboardInterrupt
+        return real(self, run_id, status, end_time)
+
+    monkeypatch.setattr(MlflowClient, "set_terminated", stopped_once)
+    with pytest.raises(KeyboardInterrupt), writer.stage_run("select", config.load("tiny")):
+        if failing:
+            raise UserError("nothing to select")
+    (run_id,) = stops
+    client = store.client()
+    assert client.get_run(run_id).info.status == "RUNNING"
+    kept = [json.loads(line) for line in (outbox.outbox_dir() / f"{run_id}.jsonl").read_text().splitlines()]
+    assert [r["op"] for r in kept] == ["terminate"]
+    done = run_cli("remote", "deliver", run_id)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ended = client.get_run(run_id)
+    assert ended.info.status == ("FAILED" if failing else "FINISHED")
+    assert (ended.data.tags.get(schema.TAG_ERROR) == "nothing to select") == failing
 
 
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):

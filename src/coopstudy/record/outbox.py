@@ -323,7 +323,7 @@ class Outbox:
     def send(self, record: dict[str, Any]) -> None:
         """Write the record now, or keep it behind the ones already waiting."""
         if self.path.exists() and not (time.monotonic() >= self._retry_at and self.deliver()):
-            self._keep(record)
+            self.keep(record)
             return
         outer = sys.exception()
         try:
@@ -335,14 +335,14 @@ class Outbox:
                 # Kept, as `deliver` keeps the one it cut short: it may not have
                 # landed, and every record may be delivered twice.
                 with contextlib.suppress(OSError):
-                    self._keep(record)
+                    self.keep(record)
                 _raise_as_stop(err, stop)
             if not is_outage(err, outer):
                 raise
             lost = err
         # Kept outside the handler: a failure to keep it (a full disk) is not the outage.
         self._went_away(lost)
-        self._keep(record)
+        self.keep(record)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[IO[str]]:
@@ -364,7 +364,8 @@ class Outbox:
         finally:
             fh.close()
 
-    def _keep(self, record: dict[str, Any]) -> None:
+    def keep(self, record: dict[str, Any]) -> None:
+        """Put the record behind the ones waiting, without asking the server."""
         with self._locked() as fh:
             size = os.fstat(fh.fileno()).st_size
             if size and os.pread(fh.fileno(), 1, size - 1) != b"\n":

@@ -74,8 +74,14 @@ class Recorder:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._outbox.send({"op": "text", "text": text, "artifact_file": artifact_file})
 
-    def terminate(self, status: str) -> None:
-        self._outbox.send({"op": "terminate", "status": status, "end_time": int(time.time() * 1000)})
+    def terminate(self, status: str, *, wait: bool = False) -> None:
+        """The run's end; `wait`: kept in the outbox without asking the server
+        (a stop is under way), for `remote deliver` or the next drain to send."""
+        record = {"op": "terminate", "status": status, "end_time": int(time.time() * 1000)}
+        if wait:
+            self._outbox.keep(record)
+        else:
+            self._outbox.send(record)
 
     def finish(self) -> bool:
         """Give what waits a grace period to reach the server; report what cannot.
@@ -329,6 +335,11 @@ def _end(rec: Recorder, status: str) -> bool:
         if not outbox.is_outage(err):
             raise
         rec.terminate(status)
+    except BaseException:
+        # A stop while the server was asked: MLflow no longer holds the run, which
+        # may still be RUNNING there; its end waits for `remote deliver`.
+        rec.terminate(status, wait=True)
+        raise
     return rec.finish()
 
 
@@ -341,5 +352,5 @@ def _record_failure(rec: Recorder, err: BaseException) -> None:
     try:
         rec.set_tags({schema.TAG_ERROR: why[:MAX_TAG_CHARS], schema.TAG_ERROR_KIND: type(err).__name__})
         rec.log_text("".join(traceback.format_exception(err)), schema.ART_ERROR)
-    except Exception:  # noqa: BLE001 - the original error matters more than the record of it
+    except BaseException:  # noqa: BLE001 - the original error matters more than the record of it; a stop meanwhile must not skip the run's end
         pass

@@ -23,7 +23,8 @@ Trains the seed model on the committed schedule. The control is one plain
 process (`python -m coopstudy worker`); the compressed arm is that command
 started by the DeepSpeed launcher as two ranks (DDP with the PowerSGD hook),
 on one host (its per-node launcher) or on two hosts (--hostfile: both hosts
-need this checkout and environment, the same prepared inputs and gate receipt,
+need this checkout and environment at the same absolute paths, the same
+prepared inputs and gate receipt,
 passwordless ssh and pdsh, and a tracking server both reach). On CPU one
 device is train.threads_per_device cores. `--arm both` trains the control, then
 the compressed arm, never both at once; a lock refuses a second job
