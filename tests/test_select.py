@@ -97,6 +97,39 @@ def test_a_selection_the_disk_cuts_short_commits_no_candidate_and_select_runs_ag
     assert {e.details["arm"]: e.details["select_run_id"] for e in _candidate_entries()} == {arm: select_run.info.run_id for arm in ARMS}
 
 
+def test_a_selection_whose_tags_wait_in_the_outbox_is_said_so_not_taken_for_a_forged_ledger(cfg, trained, monkeypatch, capsys):
+    # select during an outage: the ledger has the selection, the select run's
+    # tags wait on this host. Before, evaluate called the ledger rewritten.
+    import requests
+
+    from coopstudy.record import outbox
+
+    deliver = outbox.apply
+
+    def server_gone_for_the_selection(client, run_id, record):
+        if any(k.startswith(schema.TAG_CANDIDATE_PREFIX) for k, _ in record.get("tags", [])):
+            raise requests.exceptions.ConnectionError("connection refused")
+        deliver(client, run_id, record)
+
+    monkeypatch.setenv(outbox.ENV_GRACE, "0")
+    with monkeypatch.context() as mp:
+        mp.setattr(outbox, "apply", server_gone_for_the_selection)
+        assert cli.main(["select", "--preset", "tiny"]) == 0
+    (select_run,) = _runs(schema.STAGE_SELECT)
+    waiting = outbox.outbox_dir() / f"{select_run.info.run_id}.jsonl"
+    assert waiting.is_file() and len(_candidate_entries()) == 2
+    capsys.readouterr()
+
+    with pytest.raises(ledger.LedgerError) as said:
+        require.selection(cfg, PLAN, ledger.Ledger())
+    assert f"select run {select_run.info.run_id}'s tag {schema.TAG_CANDIDATE_PREFIX}control still waits in {waiting}; " in str(said.value)
+    assert str(said.value).endswith("deliver it: `python -m coopstudy remote deliver`")
+    done = run_cli("remote", "deliver")
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen = require.selection(cfg, PLAN, ledger.Ledger())
+    assert {arm: c.train_run_id for arm, c in chosen.candidates.items()} == {arm: trained[arm][0] for arm in ARMS}
+
+
 def test_select_refuses_an_arm_that_has_not_finished(cfg, tiny_seed, planned, capsys):
     fake_train_run(cfg, "control", tiny_seed.path)
     failed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path, status="FAILED")

@@ -355,10 +355,21 @@ class _Record:
             return f"it names no arm or select run; {_recommit(entry)}"
         try:
             tags = self._client.get_run(run_id).data.tags
-        except Exception:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001
+            from coopstudy.record import outbox
+
+            if outbox.is_outage(err):
+                raise  # the server did not answer: said as an outage, not as a ledger from elsewhere
             return f"its select run {run_id} is not in the record; {_recommit(entry)}"
         held = tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
         if held != entry.digest:
+            # A select during an outage: its run's tags wait on this host.
+            waiting = _waiting_in_outbox(entry.digest)
+            if waiting:
+                return (
+                    f"select run {run_id}'s tag {schema.TAG_CANDIDATE_PREFIX}{arm} still waits in {waiting}; "
+                    "deliver it: `python -m coopstudy remote deliver`"
+                )
             said = f"selected {held[:12]}" if held else "selected nothing"
             return f"select run {run_id} {said} for the {arm} arm, the ledger says {entry.digest[:12]}; {_recommit(entry)}"
         return None

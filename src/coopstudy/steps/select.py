@@ -39,7 +39,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         with book.locked():
             chosen = candidates.final_candidates(cfg, plan_sha, book)
             # On the record first: a ledger entry is never without its mirror,
-            # which later steps compare it with (ledger.Ledger.check_record).
+            # which later steps compare it with (ledger.Ledger.check_record); during
+            # an outage the mirror waits in the outbox, and the check says so.
             rec.set_tags(
                 {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in chosen.items()}
                 | {schema.TAG_CANDIDATE_RUN_PREFIX + arm: c.train_run_id for arm, c in chosen.items()}
