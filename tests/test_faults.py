@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import pathlib
@@ -882,15 +883,44 @@ def test_two_prepares_at_once_leave_one_intact_folder_and_a_whole_ledger(tiny_se
     assert [p.name for p in (store.home / "prepared").iterdir()] == [digest[:16]]
 
 
+def _waiting_for_the_lock(path: Path) -> int:
+    """How many processes wait for the flock of `path` (Linux's /proc/locks)."""
+    inode = f":{path.stat().st_ino} "
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines() if "->" in line and inode in line)
+
+
 def test_two_selects_at_once_commit_one_selection(trained_store, tmp_path):
     store = trained_store.copy(tmp_path / "store")
-    results = sorted(_together(store, tmp_path, "select", "--preset", "tiny"))
-    (ok, _), (refused, said) = results
+    book = store.home / "ledger.jsonl"
+    # The test holds the ledger's lock until both selects wait for it: they
+    # overlap for certain, each past its own checks (starting them together
+    # left the second to start after the first had finished, most times).
+    with open(book, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        logs = [tmp_path / f"select{n}.log" for n in (0, 1)]
+        jobs = [_start_stage(store, log, "select", "--preset", "tiny") for log in logs]
+        try:
+            deadline = time.monotonic() + 120
+            while _waiting_for_the_lock(book) < 2:
+                assert all(job.poll() is None for job in jobs), [log.read_text()[-2000:] for log in logs]
+                assert time.monotonic() < deadline, "the two selects never both waited for the ledger"
+                time.sleep(0.2)
+            fcntl.flock(held, fcntl.LOCK_UN)
+            codes = [job.wait(timeout=120) for job in jobs]
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+    (ok, _), (refused, said) = sorted(zip(codes, (log.read_text() for log in logs)))
     assert (ok, refused) == (0, 2), said[-3000:]
-    assert "were already selected at" in said.strip().splitlines()[-1] and "a selection is made once" in said
+    assert said.strip().splitlines()[-1].startswith("coopstudy select: error: the final candidates of plan "), said[-3000:]
+    assert "were already selected at" in said and "a selection is made once" in said and "Traceback" not in said
     chosen = [e for e in _entries(store) if e.kind == ledger.CANDIDATE]
     assert sorted(e.details["arm"] for e in chosen) == ["compressed", "control"]
-    assert len({e.details["select_run_id"] for e in chosen}) == 1
+    (winner,) = {e.details["select_run_id"] for e in chosen}
+    statuses = {r.info.run_id: r.info.status for r in _runs(store, f"tags.`{schema.TAG_STAGE}` = 'select'")}
+    assert statuses.pop(winner) == "FINISHED" and list(statuses.values()) == ["FAILED"]
 
 
 def test_checkpoints_deleted_before_select_come_back_from_the_record(trained_store, tmp_path):
