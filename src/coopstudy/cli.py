@@ -1,8 +1,10 @@
 """`python -m coopstudy <command>`: the one parser of the project.
 
 The study's steps come first, in protocol order, then `study`, which runs
-them all (`coopstudy.study`). Each step module in `coopstudy.steps` defines `HELP` (its one-line summary), `DESCRIPTION` (what
-it reads and writes), optionally `add_arguments(parser)`, and
+them all (`coopstudy.study`). Each step module in `coopstudy.steps` defines
+`HELP` (its one-line summary), `DESCRIPTION` (what it reads and writes),
+optionally `add_arguments(parser)` and `check_arguments(cfg, args)` (what it
+refuses in its arguments before any work, which `--dry-run` refuses too), and
 `run(cfg, args) -> int | None`; the parser gives every step `--preset`,
 `--set` and `--dry-run` and hands it the loaded config.
 
@@ -10,7 +12,10 @@ Then the tools: `bench` (benchmarks, which load a preset like a step),
 `dev-split` (families and learning rate measured on a development split),
 `remote` (the tracking server: check it, deliver what waited) and `worker`
 (one training process, started by `train` and `probe`, never by hand). A tool
-module defines `HELP`, `add_arguments(parser)` and `main(args) -> int`.
+module defines `HELP` and `add_arguments(parser)`; one that loads a preset
+(bench, dev-split: it calls `add_config_arguments`) is run as a step is, through
+`run(cfg, args)` and an optional `check_arguments(cfg, args)` that `--dry-run`
+calls too; the others (remote, worker) through `main(args) -> int`.
 """
 
 from __future__ import annotations

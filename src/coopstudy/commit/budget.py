@@ -13,6 +13,12 @@ from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store
 
 
+def cost_usd(device_seconds: float, hourly_price_usd: float) -> float:
+    """What devices held this long cost: the one formula of every spent and
+    projected cost the guard compares."""
+    return device_seconds / 3600 * hourly_price_usd
+
+
 def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
     """One arm's projected complete seconds and cost, from its probe receipt."""
     seconds = receipt["update_seconds"]
@@ -27,7 +33,7 @@ def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
         "updates": cfg.train.updates,
         "seconds": total,
         "devices": workers,
-        "cost_usd": workers * total / 3600 * cfg.budget.hourly_price_usd,
+        "cost_usd": cost_usd(workers * total, cfg.budget.hourly_price_usd),
     }
 
 

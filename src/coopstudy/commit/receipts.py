@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coopstudy import workspace
-from coopstudy.commit import ledger, sources
+from coopstudy.commit import budget, ledger, sources
 from coopstudy.config import Config
 from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store
@@ -98,7 +98,7 @@ def probe_receipt(
         "updates_done": len(seconds),
         "complete_seconds": launched.complete_seconds,
         "device_seconds": device_seconds,
-        "cost_usd": device_seconds / 3600 * hourly_price_usd,
+        "cost_usd": budget.cost_usd(device_seconds, hourly_price_usd),
         "returncode": launched.returncode,
         "memory_by_rank": memory,
         "devices": sorted({f"{r['host']}:{r['device']} ({r['device_name']})" for r in ranks.values()}),

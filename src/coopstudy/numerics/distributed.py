@@ -208,13 +208,11 @@ def session(cfg: Config) -> Iterator[DistContext]:
 class UpdateBytes:
     """Collective payload of one worker in one update."""
 
-    update: int
     phase: str | None
     """dense, compressed, or None when no gradient was communicated (one worker)."""
     gradient_bytes: int
     scalar_bytes: int
     """The update's scalar reductions (loss, tokens)."""
-    collectives: int
     hook_seconds: float = 0.0
     """Wall seconds of the update's gradient comm hook, its call to its future's completion."""
     arithmetic_seconds: float = 0.0
@@ -257,7 +255,6 @@ class ByteCounter:
     _phase: str | None = None
     _gradient: int = 0
     _scalar: int = 0
-    _collectives: int = 0
     _hook_seconds: float = 0.0
     _arithmetic_seconds: float = 0.0
 
@@ -267,22 +264,18 @@ class ByteCounter:
     def add_arithmetic_seconds(self, seconds: float) -> None:
         self._arithmetic_seconds += seconds
 
-    def add_gradient(self, phase: str, nbytes: int, collectives: int) -> None:
+    def add_gradient(self, phase: str, nbytes: int) -> None:
         self._phase = phase
         self._gradient += nbytes
-        self._collectives += collectives
 
     def add_scalar(self, nbytes: int) -> None:
         self._scalar += nbytes
-        self._collectives += 1
 
     def end_update(self) -> UpdateBytes:
         """Close the current update's count and return it."""
-        done = UpdateBytes(
-            len(self.updates) + 1, self._phase, self._gradient, self._scalar, self._collectives, self._hook_seconds, self._arithmetic_seconds
-        )
+        done = UpdateBytes(self._phase, self._gradient, self._scalar, self._hook_seconds, self._arithmetic_seconds)
         self.updates.append(done)
-        self._phase, self._gradient, self._scalar, self._collectives = None, 0, 0, 0
+        self._phase, self._gradient, self._scalar = None, 0, 0
         self._hook_seconds = self._arithmetic_seconds = 0.0
         return done
 
@@ -546,17 +539,17 @@ def _counting_hook(counter: ByteCounter, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     state = counter.powersgd
     if state is None:
-        counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+        counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size())
         fut = default_hooks.allreduce_hook(None, bucket)
     else:
         # The same test powersgd_hook makes before it decides (and before it
         # increments state.iter): dense while iter < start_powerSGD_iter.
         if state.iter < state.start_powerSGD_iter:
-            counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size(), collectives=1)
+            counter.add_gradient(schema.PHASE_DENSE, buffer.numel() * buffer.element_size())
         else:
             plan = compression_plan((g.shape for g in bucket.gradients()), state.matrix_approximation_rank, state.min_compression_rate)
             # Three all-reduces: the uncompressed tensors together, all Ps, all Qs.
-            counter.add_gradient(schema.PHASE_COMPRESSED, sum(p.elements for p in plan) * buffer.element_size(), collectives=3)
+            counter.add_gradient(schema.PHASE_COMPRESSED, sum(p.elements for p in plan) * buffer.element_size())
         fut = powersgd_hook(state, bucket, counter.add_arithmetic_seconds)
 
     def timed(done: torch.futures.Future) -> torch.Tensor:

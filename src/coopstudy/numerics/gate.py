@@ -35,9 +35,10 @@ Choices, and why:
 - DDP without PowerSGD: PowerSGD is lossy by design; the gate checks the
   dense path that the compressed arm also uses for its first updates.
 
-The receipt is bound to the sha256 of the numerical sources (SOURCES) and to
-the torch and transformers versions; `require_gate_receipt` refuses training
-when no receipt matches the current ones.
+The receipt is bound to the sha256 of the numerical sources
+(`commit.sources.numerical_sources_sha256`) and to the torch and transformers
+versions; `commit.require.gate_receipt` refuses training when no receipt
+matches the current ones.
 """
 
 from __future__ import annotations

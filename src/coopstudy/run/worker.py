@@ -158,10 +158,10 @@ def train(
                     # optimizer step in stream order), so the clock stops when the
                     # device has finished the update, not when its kernels were queued.
                     last_end = time.perf_counter()
-                    # `other` is what the other parts do not hold, so the parts add up to the
-                    # update's seconds: the call itself and the freeing of its tensors included.
+                    # `other` takes what the other parts do not hold, so the parts add up to
+                    # the update's seconds: the call itself and the freeing of its tensors included.
                     t = result.times
-                    t = dataclasses.replace(t, other=(last_end - start) - (t.forward_backward + t.communication + t.optimizer))
+                    t = dataclasses.replace(t, other=t.other + (last_end - start) - t.total)
                     # Memory the process touched for the first time: its allocator keeps
                     # what it frees (launch.set_malloc), so the peak grows only by new pages.
                     new_memory.append(capacity.peak_rss_mb() - peak_before)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coopstudy import errors
-from coopstudy.commit import require
+from coopstudy.commit import budget, require
 from coopstudy.config import ARMS, COMPRESSED, CONTROL, Config, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def guard(rec: writer.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
     """The budget and deadline guard; what it compared stays on the run
     whatever it decides."""
-    from coopstudy.commit import budget, plan
+    from coopstudy.commit import plan
 
     p = budget.projected(cfg, sha, plan.document(cfg, sha), arms)
     rec.log_metrics(
@@ -230,7 +230,7 @@ def _log_spent(rec: writer.Recorder, cfg: Config, workers: int, seconds: float, 
         {
             schema.M_COMPLETE_SECONDS: seconds,
             schema.M_DEVICE_SECONDS: device_seconds,
-            schema.M_COST_USD: device_seconds / 3600 * cfg.budget.hourly_price_usd,
+            schema.M_COST_USD: budget.cost_usd(device_seconds, cfg.budget.hourly_price_usd),
         }
         | (machine or {})
     )
