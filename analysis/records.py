@@ -150,19 +150,6 @@ class Records:
     the record holds no such run."""
 
 
-def phases(dense_updates: int, updates: int) -> dict[str, list[int]]:
-    """Updates 1..dense_updates are the dense phase, the rest the compressed one.
-
-    The control arm has no phases of its own; its same updates (the same
-    documents) are set beside the compressed arm's. An empty phase is left out.
-    """
-    spans = {
-        schema.PHASE_DENSE: range(1, min(dense_updates, updates) + 1),
-        schema.PHASE_COMPRESSED: range(dense_updates + 1, updates + 1),
-    }
-    return {name: list(steps) for name, steps in spans.items() if len(steps)}
-
-
 def train_role(arm: str) -> str:
     return f"train/{arm}"
 

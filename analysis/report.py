@@ -17,9 +17,9 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records, evaluate_role, phases
+from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records, evaluate_role
 from coopstudy.config import ARMS, Config
-from coopstudy.record import store
+from coopstudy.record import schema, store
 
 SCHEMA = 1
 
@@ -84,7 +84,7 @@ def _training(records: Records) -> dict[str, Any]:
 def _breakdown(records: Records, cfg: Config) -> dict[str, Any]:
     """Per phase, each arm's median seconds per update and per part of it (rank 0's)."""
     out: dict[str, Any] = {}
-    for phase, steps in phases(cfg.powersgd.dense_updates, cfg.train.updates).items():
+    for phase, steps in schema.phases(cfg.powersgd.dense_updates, cfg.train.updates).items():
         rows = records.updates[records.updates["update"].isin(steps)]
         out[phase] = {"updates": [steps[0], steps[-1]]}
         for arm in ARMS:

@@ -410,7 +410,7 @@ def _run_step(name: str, cfg: config_mod.Config, args: argparse.Namespace) -> in
 
 
 def _make_analysis_importable() -> None:
-    # analysis/ (report, dev-split and bench arms read the record with it) sits
+    # analysis/ (report reads the record with it, dev-split its screens) sits
     # beside src/ and is not installed with the package: from the project root
     # it is found already, from a folder below it through the root.
     if importlib.util.find_spec("analysis") is None:

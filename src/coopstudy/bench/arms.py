@@ -12,7 +12,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from analysis import records
 from coopstudy.commit import require
 from coopstudy.config import COMPRESSED, CONTROL, Config
 from coopstudy.errors import UserError
@@ -112,7 +111,7 @@ def measure(cfg: Config, *, updates: int | None, arms: tuple[str, ...], console:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.train.threads_per_device)
     try:
-        phases = records.phases(dense, updates)
+        phases = schema.phases(dense, updates)
         update_flops = {k: shape.training_flops([prepared.train[i] for i in prepared.schedule[k - 1]]) for k in range(1, updates + 1)}
 
         results: dict[str, dict] = {}

@@ -215,6 +215,21 @@ PHASE_DENSE = "dense"
 """Updates 1 to `powersgd.dense_updates`, where every arm all-reduces whole gradients (in `bench/arms/` names and `bytes/dense_total`)."""
 PHASE_COMPRESSED = "compressed"
 """The updates after the dense ones, where the compressed arm sends PowerSGD factors (in `bench/arms/` names and `bytes/compressed_total`)."""
+
+
+def phases(dense_updates: int, updates: int) -> dict[str, list[int]]:
+    """Updates 1..dense_updates are the dense phase, the rest the compressed one.
+
+    The control arm has no phases of its own; its same updates (the same
+    documents) are set beside the compressed arm's. An empty phase is left out.
+    """
+    spans = {
+        PHASE_DENSE: range(1, min(dense_updates, updates) + 1),
+        PHASE_COMPRESSED: range(dense_updates + 1, updates + 1),
+    }
+    return {name: list(steps) for name, steps in spans.items() if len(steps)}
+
+
 M_BENCH_ARMS_PREFIX = "bench/arms/"
 """+ phase (dense|compressed) + / + arm + / + part, on the bench-arms-<preset> parent run: the median over
 that phase's updates of rank 0's seconds per update; part is update, forward_backward, comm,
