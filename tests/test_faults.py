@@ -1266,6 +1266,13 @@ def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_pat
     assert paths["text"].read_text() == "not a database\n"
 
 
+def test_a_worker_whose_launcher_gave_a_rank_that_is_no_number_says_so_in_one_line():
+    # Read before anything else, to name the rank in every later line: it was a traceback.
+    done = run_cli("worker", "--arm", "control", "--config", "e30=", "--run-id", "0" * 32, env={"RANK": "x"}, timeout=60)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == ["coopstudy worker: error: RANK='x' is not an integer"]
+
+
 @pytest.mark.parametrize("step", ["verify", "report"])
 def test_a_home_that_is_a_file_is_refused_before_a_run_opens(step, tmp_path):
     done = run_cli(step, "--preset", "tiny", env={"COOPSTUDY_HOME": str(_a_file(tmp_path))})

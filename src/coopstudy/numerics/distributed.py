@@ -116,6 +116,11 @@ def _env_int(name: str) -> int:
         raise UserError(f"{name}={raw!r} is not an integer") from None
 
 
+def env_rank() -> int:
+    """The rank the launcher's environment gives this process, 0 where it gives none."""
+    return _env_int("RANK") if "RANK" in os.environ else 0
+
+
 def init(cfg: Config) -> DistContext:
     """Join the process group the environment describes, or stay alone.
 

@@ -367,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
     # itself, before CUDA's allocator reads it on the first allocation.
     launch.set_allocator(os.environ, args.allocator)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = distributed.env_rank()
     probing = capacity.RankProbe(args.run_id, rank, args.capacity_mb) if args.probe else None
     # The worker of train, probe and bench arms alike: named by its arm.
     who = f"coopstudy worker ({args.arm}, rank {rank})"
