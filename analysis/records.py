@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from analysis.screens import RETENTION_COLUMNS, evaluate_role, train_role
 from coopstudy.commit import ledger, sources
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
@@ -68,7 +69,6 @@ RUN_METRICS = {
 # beside the screens and may be absent (an arm that transmits nothing).
 REQUIRED_RUN_METRICS = ("active_seconds", "complete_seconds")
 CASE_COLUMNS = ("case_id", "family", "score")
-RETENTION_COLUMNS = ("doc_id", "tokens", "nll_sum", "mean_nll")
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 _SHORT_SHA = re.compile(r"^[0-9a-f]{12,63}$")
@@ -150,14 +150,6 @@ class Records:
     the record holds no such run."""
 
 
-def train_role(arm: str) -> str:
-    return f"train/{arm}"
-
-
-def evaluate_role(model: str) -> str:
-    return f"evaluate/{model}"
-
-
 SELECT_ROLE = "select"
 
 
@@ -223,7 +215,7 @@ def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
 def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
     """Each evaluated model must be the selected one (and the seed the one both arms started from)."""
     expected = dict(candidates)
-    seeds = {run.info.run_id: run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith("train/")}
+    seeds = {run.info.run_id: run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith(train_role(""))}
     if len(set(seeds.values())) != 1 or None in seeds.values():
         said = ", ".join(f"{run_id} {str(sha)[:12]}" for run_id, sha in seeds.items())
         raise RefusedError(f"the selected train runs did not start from one recorded seed ({said}); the arms are not comparable")

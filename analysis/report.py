@@ -17,7 +17,8 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records, evaluate_role
+from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
+from analysis.screens import evaluate_role
 from coopstudy.config import ARMS, Config
 from coopstudy.record import schema, store
 
@@ -272,7 +273,7 @@ def breakdown_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def accuracy_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     acc = report["accuracy"]
-    families = sorted(acc[MODELS[0]]["families"], key=lambda f: (f == "all", f))
+    families = sorted(acc[MODELS[0]]["families"], key=lambda f: (f == sc.ALL_FAMILIES, f))
     rows = []
     for family in families:
         cells = []
@@ -491,7 +492,7 @@ def figures(records: Records, report: dict[str, Any]) -> dict[str, str]:
         plt.close(fig)
 
     acc = sc.accuracy_by_family(records.cases)
-    families = sorted(acc["family"].unique(), key=lambda f: (f == "all", f))
+    families = sorted(acc["family"].unique(), key=lambda f: (f == sc.ALL_FAMILIES, f))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(MODELS)
     for j, model in enumerate(MODELS):

@@ -42,6 +42,22 @@ POWER = 0.8
 """The power the sensitivity figures are quoted at."""
 
 
+def train_role(arm: str) -> str:
+    """The key of an arm's train run in a screen's `run_ids` and the record's runs."""
+    return f"train/{arm}"
+
+
+def evaluate_role(model: str) -> str:
+    """The key of a model's evaluate run in a screen's `run_ids` and the record's runs."""
+    return f"evaluate/{model}"
+
+
+RETENTION_COLUMNS = ("doc_id", "tokens", "nll_sum", "mean_nll")
+"""What the retention screen reads of each scored document (records reads them from each evaluate run's table)."""
+
+ALL_FAMILIES = "all"
+"""The family name of every test case together, beside each family's own."""
+
 @dataclass(frozen=True)
 class Screen:
     name: str
@@ -292,7 +308,7 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             f"when its verifier scores 1.0; Tango's score interval, two-sided {cfg.interval_level:.0%} "
             "(Newcombe's hybrid score interval beside); the verdict rests on the point estimate"
         ),
-        run_ids={f"evaluate/{m}": _run_id(cases, "model", m) for m in (COMPRESSED, SEED)},
+        run_ids={evaluate_role(m): _run_id(cases, "model", m) for m in (COMPRESSED, SEED)},
         interval=(tango.lower, tango.upper),
         details=details,
         sensitivity=sens,
@@ -318,7 +334,7 @@ def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             f"compressed - control accuracy on the final test, paired by test case (n={table.n}); lower limit of "
             f"Tango's two-sided {cfg.interval_level:.0%} score interval (Newcombe's hybrid score interval beside)"
         ),
-        run_ids={f"evaluate/{m}": _run_id(cases, "model", m) for m in (COMPRESSED, CONTROL)},
+        run_ids={evaluate_role(m): _run_id(cases, "model", m) for m in (COMPRESSED, CONTROL)},
         bound=tango.lower,
         interval=(tango.lower, tango.upper),
         details=_accuracy_details(table, COMPRESSED, CONTROL, newcombe),
@@ -334,7 +350,7 @@ def retention_differences(retention: pd.DataFrame, a: str = COMPRESSED, b: str =
     A document with no target tokens has no mean NLL and carries no evidence
     either way; it is left out (the same one for both models).
     """
-    cols = ["doc_id", "tokens", "nll_sum", "mean_nll"]
+    cols = list(RETENTION_COLUMNS)
     left = retention.loc[retention["model"] == a, cols]
     right = retention.loc[retention["model"] == b, cols]
     pairs = left.merge(right, on="doc_id", how="inner", suffixes=("_a", "_b"), validate="one_to_one")
@@ -375,7 +391,7 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
             "weighs the same); beside it the token-weighted ratio estimate with a document-clustered standard "
             "error; tokens are never treated as independent"
         ),
-        run_ids={f"evaluate/{m}": _run_id(retention, "model", m) for m in (COMPRESSED, SEED)},
+        run_ids={evaluate_role(m): _run_id(retention, "model", m) for m in (COMPRESSED, SEED)},
         bound=t_bound.upper,
         details={
             "documents": len(diffs),
@@ -404,7 +420,7 @@ def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str,
         decided_on="estimate",
         passed=_decide(value, ">=", cfg.min_speedup),
         method=f"control seconds / compressed seconds, {what}; one measured run per arm",
-        run_ids={f"train/{arm}": _run_id(train, "arm", arm) for arm in ARMS},
+        run_ids={train_role(arm): _run_id(train, "arm", arm) for arm in ARMS},
         details={f"{arm}_seconds": seconds[arm] for arm in ARMS},
         sensitivity={
             "relative_distance": value / cfg.min_speedup - 1,
@@ -490,7 +506,7 @@ def resources(train: pd.DataFrame, workers: dict[str, int] | None = None) -> dic
 
 def accuracy_by_family(cases: pd.DataFrame) -> pd.DataFrame:
     """model, family, cases, correct, accuracy; family 'all' is the whole test."""
-    whole = cases.assign(family="all")
+    whole = cases.assign(family=ALL_FAMILIES)
     grouped = pd.concat([cases, whole]).groupby(["model", "family"], sort=True)["correct"]
     table = grouped.agg(cases="size", correct="sum").reset_index()
     table["accuracy"] = table["correct"] / table["cases"]
