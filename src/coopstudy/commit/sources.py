@@ -66,6 +66,11 @@ DECIDING_FOLDERS = ("src/coopstudy/inputs", "src/coopstudy/numerics", "analysis"
 imported or not: a module added there is bound without a list to edit."""
 
 
+PROBE_ROOTS = ("coopstudy.run.worker", "coopstudy.steps.probe")
+"""What runs and times a probe: the training process and the stage that
+launches it (their import closure is the `training` sources of a receipt)."""
+
+
 def project_dir() -> Path:
     """The checkout this package was imported from: the folder above `src/`."""
     return PACKAGE.parents[1]
@@ -86,6 +91,11 @@ def deciding_sources() -> list[str]:
 def deciding_sources_sha256() -> tuple[str, dict[str, str]]:
     """(combined sha256, {file: sha256}) of deciding_sources()."""
     return _hashed(project_dir(), deciding_sources())
+
+
+def probe_sources_sha256() -> dict[str, str]:
+    """{file: sha256} of the import closure of PROBE_ROOTS."""
+    return _hashed(project_dir(), closure(*PROBE_ROOTS))[1]
 
 
 def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from coopstudy import ui, workspace
+from coopstudy import ui
 from coopstudy.commit import ledger, receipts, require, sources
 from coopstudy.config import COMPRESSED, Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
@@ -85,7 +85,7 @@ def _candidates(cfg: Config) -> list[tuple[ProbeCandidate, Config]]:
 def _context(cfg: Config, req: dict[str, str]) -> dict[str, Any]:
     """What every receipt of the sweep shares: versions and hashes."""
     sources_sha, numerical = sources.numerical_sources_sha256()
-    training = {name: workspace.sha256_file(sources.PACKAGE / name) for name in ("run/worker.py", "run/launch.py", "run/one_host_launcher.py", "run/capacity.py")}
+    training = sources.probe_sources_sha256()
     versions = sources.library_versions()
     for name in ("deepspeed", "mlflow"):
         try:
