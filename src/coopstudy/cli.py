@@ -35,12 +35,13 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from coopstudy import config as config_mod
+from coopstudy import steps as steps_pkg
 from coopstudy import workspace
 from coopstudy.errors import UserError
 
 # In protocol order; `--help` lists them so.
-STEPS = ("prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report", "study")
-STUDY_STAGES = STEPS[:-1]
+STUDY_STAGES = steps_pkg.ORDER
+STEPS = (*STUDY_STAGES, "study")
 """The steps a study runs: every step but `study` itself."""
 TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 # Started by `train` and `probe`, never by hand, so `--help` does not list it:

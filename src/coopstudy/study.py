@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -24,10 +25,10 @@ from typing import Any
 
 from coopstudy import workspace
 from coopstudy.commit import require, sources
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ARMS, BOTH, Config, arms_of
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
-from coopstudy.steps import evaluate, plan, prepare, probe, report, select, train, verify
+from coopstudy import steps as steps_pkg
 
 HELP = "run every step of the study in order, reusing unchanged finished steps"
 DESCRIPTION = """\
@@ -120,21 +121,25 @@ def _holds_checkpoint(run_id: str) -> bool:
         return False
 
 
+PREPARE, VERIFY, PROBE, PLAN, TRAIN, SELECT, EVALUATE, REPORT = steps_pkg.ORDER
+
+
+def train_step(arm: str) -> str:
+    return f"{TRAIN}-{arm}"
+
+
 STEPS: tuple[Step, ...] = (
-    Step("prepare", "prepare", still_valid=_prepared_ok),
-    Step("verify", "verify", still_valid=_gate_ok),
-    Step("probe", "probe", ("prepare", "verify"), still_valid=_probes_ok),
-    Step("plan", "plan", ("prepare", "verify", "probe"), still_valid=_plan_ok),
-    *(Step(f"train-{arm}", "train", ("plan",), ("--arm", arm), _checkpoint_ok) for arm in ARMS),
-    Step("select", "select", tuple(f"train-{arm}" for arm in ARMS), still_valid=_under_plan_ok),
-    Step("evaluate", "evaluate", ("select",), still_valid=_under_plan_ok),
-    Step("report", "report", ("evaluate",), still_valid=_under_plan_ok),
+    Step(PREPARE, PREPARE, still_valid=_prepared_ok),
+    Step(VERIFY, VERIFY, still_valid=_gate_ok),
+    Step(PROBE, PROBE, (PREPARE, VERIFY), still_valid=_probes_ok),
+    Step(PLAN, PLAN, (PREPARE, VERIFY, PROBE), still_valid=_plan_ok),
+    *(Step(train_step(arm), TRAIN, (PLAN,), ("--arm", arm), _checkpoint_ok) for arm in ARMS),
+    Step(SELECT, SELECT, tuple(train_step(arm) for arm in ARMS), still_valid=_under_plan_ok),
+    Step(EVALUATE, EVALUATE, (SELECT,), still_valid=_under_plan_ok),
+    Step(REPORT, REPORT, (EVALUATE,), still_valid=_under_plan_ok),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
-MODULES: dict[str, ModuleType] = {
-    "prepare": prepare, "verify": verify, "probe": probe, "plan": plan, "train": train,
-    "select": select, "evaluate": evaluate, "report": report,
-}  # fmt: skip
+MODULES: dict[str, ModuleType] = {stage: importlib.import_module(f"{steps_pkg.__name__}.{stage}") for stage in steps_pkg.ORDER}
 WORKER = "coopstudy.run.worker"
 """Started by command, not imported: the training steps' sources include it by name."""
 
@@ -143,7 +148,7 @@ def step_sources(step: Step) -> list[str]:
     """The files whose change reruns the step: its module and everything it
     imports (for training, the worker it starts too), derived, not listed."""
     roots = [MODULES[step.stage].__name__]
-    if step.stage in ("probe", "train"):
+    if step.stage in (PROBE, TRAIN):
         roots.append(WORKER)
     return sources.closure(*roots)
 
@@ -151,14 +156,14 @@ def step_sources(step: Step) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--through",
-        choices=(*STEP_NAMES, "train"),
+        choices=(*STEP_NAMES, TRAIN),
         default=STEP_NAMES[-1],
         help="stop after this step; `train` means the train steps of --arm (default: the whole study)",
     )
     parser.add_argument(
         "--arm",
-        choices=(*ARMS, "both"),
-        default="both",
+        choices=(*ARMS, BOTH),
+        default=BOTH,
         help="with --through train: which arm to train, the steps before it included (default: both)",
     )
 
@@ -219,7 +224,7 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
             continue
         own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
         differ = {k for k, v in own.items() if getattr(args, k, None) != v}
-        if not differ or (differ == {"arm"} and args.arm == "both"):
+        if not differ or (differ == {"arm"} and args.arm == BOTH):
             found[own.get("arm")] = keys[step.name]
     return found
 
@@ -235,10 +240,10 @@ def alone(stage: str, cfg: Config, args: argparse.Namespace) -> Iterator[None]:
 
 def selected_steps(through: str, arm: str) -> list[Step]:
     """The steps up to `through`; stopping at training runs only --arm's arms."""
-    if through != "train":
+    if through != TRAIN:
         return list(STEPS[: STEP_NAMES.index(through) + 1])
-    chosen = STEPS[: STEP_NAMES.index(f"train-{ARMS[-1]}") + 1]
-    return [s for s in chosen if arm == "both" or not s.name.startswith("train-") or s.name == f"train-{arm}"]
+    chosen = STEPS[: STEP_NAMES.index(train_step(ARMS[-1])) + 1]
+    return [s for s in chosen if s.stage != TRAIN or s.name in map(train_step, arms_of(arm))]
 
 
 def _step_args(step: Step, study: argparse.Namespace) -> argparse.Namespace:
@@ -271,7 +276,7 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     """What study refuses in its arguments, before any work (and under --dry-run)."""
-    if args.arm != "both" and args.through != "train":
+    if args.arm != BOTH and args.through != TRAIN:
         # Every later step needs both arms trained; running both quietly would not be what was asked.
         raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
 
@@ -286,7 +291,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     checks = Checks(cfg)
     t0 = time.perf_counter()
     # Not train-<arm>-<preset>: that is the name of the arm run it starts.
-    name = f"study-train-{args.arm}-{cfg.preset}" if args.through == "train" else f"study-{cfg.preset}"
+    name = f"study-{TRAIN}-{args.arm}-{cfg.preset}" if args.through == TRAIN else f"study-{cfg.preset}"
     with writer.stage_run(schema.STAGE_STUDY, cfg, run_name=name) as rec:
         for n, step in enumerate(steps):
             key = keys[step.name]

@@ -76,7 +76,7 @@ import argparse
 import re
 
 from coopstudy import ui
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ARMS, BOTH, Config, arms_of
 from coopstudy.errors import UserError
 
 # Each benchmark is a module of its own, imported when it runs: they import
@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--updates", type=int, default=None,
                    help="updates of each arm (default: train.updates, the whole schedule, as the study runs it;"
                         " fewer give a quick look whose compressed phase is mostly its first, slowest updates)")  # fmt: skip
-    a.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arms to run (default: both, control first)")
+    a.add_argument("--arm", choices=(*ARMS, BOTH), default=BOTH, help="which arms to run (default: both, control first)")
     g = bench("generate", "batched against one-at-a-time greedy generation on the seed model")
     g.add_argument("--items", type=int, default=32, help=f"development-split cases to generate, spread over the families (default 32, at most {MAX_ITEMS:,})")
 
@@ -142,7 +142,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     if args.bench == "arms":
         from coopstudy.bench import arms
 
-        arms.measure(cfg, updates=args.updates, arms=ARMS if args.arm == "both" else (args.arm,), console=ui.console(120))
+        arms.measure(cfg, updates=args.updates, arms=arms_of(args.arm), console=ui.console(120))
         return 0
     from coopstudy.bench import objective
 

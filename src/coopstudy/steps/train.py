@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coopstudy import errors
 from coopstudy.commit import budget, require
-from coopstudy.config import ARMS, COMPRESSED, CONTROL, Config, set_arguments
+from coopstudy.config import ARMS, BOTH, COMPRESSED, CONTROL, Config, arms_of, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
 from coopstudy.run import launch, lock
@@ -71,7 +71,7 @@ class TrainingFailed(UserError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arm", choices=(*ARMS, "both"), default="both", help="which arm to train (default: both, control first)")
+    parser.add_argument("--arm", choices=(*ARMS, BOTH), default=BOTH, help="which arm to train (default: both, control first)")
     parser.add_argument(
         "--hostfile",
         type=launch.hostfile_path,
@@ -237,7 +237,7 @@ def _log_spent(rec: writer.Recorder, cfg: Config, workers: int, seconds: float, 
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    arms = ARMS if args.arm == "both" else (args.arm,)
+    arms = arms_of(args.arm)
     nodes = _nodes(cfg, args, _checked_node_count(cfg, args))
     if args.hostfile is not None and nodes is None:
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
