@@ -181,12 +181,12 @@ def test_dry_run_prints_resolved_config(cli):
 
 def test_dev_split_dry_run_prints_the_development_config_it_runs(cli):
     # Before, it printed the preset's families and test seed, not the ones it trains and scores under.
-    from coopstudy import devsplit
+    from coopstudy.inputs import tasks
 
     res = cli("dev-split", "--preset", "tiny", "--families", "gcd", "--dry-run")
     assert res.returncode == 0, res.stderr
     shown = yaml.safe_load(res.stdout)
-    assert shown["data"]["families"] == ["gcd"] and shown["data"]["test_seed"] == devsplit.DEV_SEED
+    assert shown["data"]["families"] == ["gcd"] and shown["data"]["test_seed"] == tasks.DEV_SEED
 
 
 @pytest.mark.parametrize(

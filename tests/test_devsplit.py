@@ -10,6 +10,7 @@ import mlflow
 import pytest
 
 from coopstudy import config, devsplit
+from coopstudy.inputs import tasks
 from coopstudy.record import schema, store
 
 
@@ -45,7 +46,7 @@ def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prep
         assert f"{schema.M_DEV_PREFIX}lr_{lr}/retention_bound" in m
     table = store.artifact_json(run.info.run_id, schema.ART_DEV_SPLIT)
     (row,) = [dict(zip(table["columns"], values)) for values in table["data"]]
-    assert row["families"] == ["gcd", "chain_sum"] and row["dev_seed"] == devsplit.DEV_SEED and row["updates"] == 2
+    assert row["families"] == ["gcd", "chain_sum"] and row["dev_seed"] == tasks.DEV_SEED and row["updates"] == 2
     assert set(row["by_lr"]) == {"0.001", "0.03"} and set(row["seed"]) == {"gcd", "chain_sum"}
     # The recorded choice is the rule over the recorded measurements.
     by_lr = {float(lr): measured for lr, measured in row["by_lr"].items()}

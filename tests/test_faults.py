@@ -540,8 +540,10 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
     out = log.read_text()
     assert not alive, f"ranks {[p.pid for p in alive]} outlived the stage"
     assert took < launch.STOP_GRACE_S, took
-    assert stage.returncode == 130, out[-3000:]
-    assert out.strip().splitlines()[-1] == "coopstudy train: interrupted", out[-3000:]
+    # Told apart: a Ctrl-C is 130, a SIGTERM (`kill PID`, a scheduler) 143.
+    assert stage.returncode == 128 + (signal.SIGTERM if sig == signal.SIGTERM else signal.SIGINT), out[-3000:]
+    said = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
+    assert out.strip().splitlines()[-1] == f"coopstudy train: {said}", out[-3000:]
     assert launch.STOPPING.format(grace=launch.STOP_GRACE_S) in out, out[-3000:]
     told = launch.ALREADY_STOPPING.format(pid=stage.pid) in out
     assert told == (sig == CTRL_C_TWICE), out[-3000:]
@@ -747,7 +749,7 @@ def test_a_tracking_store_on_a_full_disk_is_one_line_exit_2(tiny_seed_home, _mig
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     (line,) = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert line == (f"coopstudy prepare: error: the disk of the tracking store {store.tracking_uri} is full (database or disk is full); "
-                    "free some space and run it again (a run this step had opened stays RUNNING)")  # fmt: skip
+                    "free some space and run it again (a run this step had opened stays RUNNING until `python -m coopstudy remote deliver` ends it)")  # fmt: skip
     assert not (store.home / "ledger.jsonl").exists()
 
 
@@ -767,12 +769,22 @@ def test_a_training_rank_whose_tracking_store_fills_up_says_so_in_one_line(plann
     said = [line for line in done.stderr.splitlines() if "error" in line.lower() or full in line]
     assert said == [
         f"coopstudy worker (control, rank 0): {full}",
-        f"coopstudy train: error: {full}; free some space and run it again (a run this step had opened stays RUNNING)",
+        f"coopstudy train: error: {full}; free some space and run it again "
+        "(a run this step had opened stays RUNNING until `python -m coopstudy remote deliver` ends it)",
     ], done.stderr[-3000:]
     # What rank 0 measured before the disk filled up is on the run.
     run = _newest(store, "train-control-tiny")
     assert run.info.status == "RUNNING"
     assert _client(store).get_metric_history(run.info.run_id, schema.M_LOSS)
+    # Its end waits on this host, for space: a delivery before keeps it waiting,
+    # one after ends the run as it ended.
+    early = run_cli("remote", "deliver", env=store.env())
+    assert early.returncode == 2 and f"coopstudy: {full}; the records of run {run.info.run_id} wait in " in early.stderr, early.stderr
+    assert early.stderr.strip().splitlines()[-1].startswith("coopstudy remote deliver: error: the records of 1 run still wait in "), early.stderr
+    (small_disk / "filler").unlink()
+    delivered = run_cli("remote", "deliver", env=store.env())
+    assert delivered.returncode == 0, delivered.stderr[-3000:]
+    assert _client(store).get_run(run.info.run_id).info.status == "FAILED", done.stderr
 
 
 # --- 3. two jobs at once ---------------------------------------------------

@@ -278,10 +278,11 @@ def test_a_sighup_of_a_stage_stops_it_as_a_sigterm_does():
     # Under nohup SIGHUP is ignored, and `stopping` leaves it so: here it is not.
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
-        with pytest.raises(launch.Terminated, match="^stopped by SIGHUP; every process it launched was stopped too$"):
+        with pytest.raises(launch.Terminated, match="^stopped by SIGHUP; every process it launched was stopped too$") as stopped:
             with launch.stopping():
                 os.kill(os.getpid(), signal.SIGHUP)
                 time.sleep(5)
+        assert stopped.value.signum == signal.SIGHUP  # the CLI's exit 129
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, before)

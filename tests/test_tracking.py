@@ -245,7 +245,7 @@ def test_a_stage_stopped_by_sigterm_during_its_end_drain_is_said_as_sigterm(monk
     box.keep({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]]})
 
     def terminated(*args):
-        raise launch.Terminated("stopped by SIGTERM; every process it launched was stopped too")
+        raise launch.Terminated("stopped by SIGTERM; every process it launched was stopped too", signal.SIGTERM)
 
     monkeypatch.setattr(outbox, "apply", terminated)
     with pytest.raises(launch.Terminated):

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -238,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except UserError as err:
         return _refuse(args, err)
-    except KeyboardInterrupt:
-        print(f"coopstudy {args.step}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        # A SIGTERM or SIGHUP (launch.Terminated) is told from a Ctrl-C, to the
+        # user and to what started the step (`mlflow run`, a scheduler).
+        signum = getattr(err, "signum", signal.SIGINT)
+        said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"coopstudy {args.step}: {said}", file=sys.stderr)
+        return 128 + signum
     except OSError as err:
         # A full disk is the machine's state, not a defect: one line. What was
         # being written went to a temporary name and was never taken for valid.
@@ -262,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         if not store.on_full_disk(err):
             raise
         print(
-            f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again (a run this step had opened stays RUNNING)",
+            f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again "
+            "(a run this step had opened stays RUNNING until `python -m coopstudy remote deliver` ends it)",
             file=sys.stderr,
         )
         return 2

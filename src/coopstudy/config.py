@@ -35,6 +35,7 @@ COMPRESSED = "compressed"
 """The compressed arm: two or more DDP workers, PowerSGD after the dense updates."""
 ARMS = (CONTROL, COMPRESSED)
 """The study's two arms, in the order they train and report."""
+Arm = Literal[ARMS]
 BOTH = "both"
 """`--arm both` of train, study and bench arms: every arm of ARMS, one after the other."""
 
@@ -42,7 +43,8 @@ BOTH = "both"
 def arms_of(choice: str) -> tuple[str, ...]:
     """The arms an `--arm` choice (an arm, or BOTH) names."""
     return ARMS if choice == BOTH else (choice,)
-Arm = Literal[ARMS]
+
+
 ALLOCATORS = ("default", "expandable")
 """CUDA caching-allocator settings a probe can try (run/launch.set_allocator)."""
 TRAINING_ALLOCATOR = "expandable"

@@ -34,13 +34,12 @@ from coopstudy.config import COMPRESSED, INT_CEILING, Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import conversations, data, tasks
 from coopstudy.inputs.seed import resolve_seed
+from coopstudy.inputs.tasks import DEV_SEED
 from coopstudy.record import schema, writer
 from coopstudy.run import lock
 
 DEVELOPMENT = "development split"
 """What its progress calls the test set it scores: not the final test."""
-DEV_SEED = 5_000_000
-"""Far from the presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
 SOLVED = 0.5
 """A family the seed already answers this often teaches the study nothing."""
 MOVED = 0.10

@@ -9,8 +9,8 @@ import torch
 
 from coopstudy import scoring, ui
 from coopstudy.config import Config
-from coopstudy.devsplit import DEV_SEED
 from coopstudy.inputs import chat, tasks
+from coopstudy.inputs.tasks import DEV_SEED
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
 from coopstudy.run import lock
@@ -32,7 +32,7 @@ def generation_cases(cfg: Config, items: int) -> list[dict]:
     for t in draw.tasks:
         if wanted[t.family]:
             wanted[t.family] -= 1
-            out.append({"case_id": f"{t.family}/{t.index}", "family": t.family, "messages": tasks.task_messages(t.question), "entry": t.entry})
+            out.append(tasks.test_case(t))
     return out
 
 

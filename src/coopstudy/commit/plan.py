@@ -58,7 +58,7 @@ def _arm_receipt(cfg: Config, arm: str, kept: dict[str, dict[str, Any]]) -> tupl
     """The completed receipt that stands for the arm's setting, or a refusal
     saying what the probes found."""
     microbatch, allocator = arm_setting(cfg, arm)
-    wanted = f"{receipts.setting_name(arm, microbatch, allocator)}.json"
+    wanted = receipts.receipt_file(receipts.setting_name(arm, microbatch, allocator))
 
     def stands_for(name: str, body: dict[str, Any]) -> bool:
         s = body["setting"]

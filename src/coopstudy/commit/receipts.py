@@ -34,8 +34,16 @@ if TYPE_CHECKING:
 
 
 def setting_name(arm: str, microbatch: int, allocator: str) -> str:
-    """The candidate's name: its runs' tag and its receipt's file name."""
+    """The candidate's name: its runs' tag and its receipt's file name (receipt_file)."""
     return f"{arm}-mb{microbatch}-{allocator}"
+
+
+RECEIPT_SUFFIX = ".json"
+
+
+def receipt_file(name: str) -> str:
+    """The file name of the receipt of the candidate `name` in probe_dir."""
+    return f"{name}{RECEIPT_SUFFIX}"
 
 
 def read_rank_reports(run_id: str) -> dict[int, dict[str, Any]]:
@@ -205,7 +213,7 @@ def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledge
     """Write a candidate's receipt (replacing that candidate's earlier one: the
     ledger and its run keep every attempt) and commit it to the ledger."""
     name = receipt["setting"]["name"]
-    path = probe_dir(cfg, make=True) / f"{name}.json"
+    path = probe_dir(cfg, make=True) / receipt_file(name)
     workspace.write_text(path, json.dumps(receipt, indent=2, sort_keys=True))
     sha = workspace.sha256_file(path)
     entry = ledger.Ledger().append(
@@ -219,7 +227,7 @@ def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledge
 
 def receipt_hashes(cfg: Config) -> dict[str, str]:
     """Receipt file name -> sha256, for every receipt now in probe_dir(cfg)."""
-    return {p.name: workspace.sha256_file(p) for p in sorted(probe_dir(cfg).glob("*.json"))}
+    return {p.name: workspace.sha256_file(p) for p in sorted(probe_dir(cfg).glob(f"*{RECEIPT_SUFFIX}"))}
 
 
 def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -228,7 +236,7 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
     key = probe_key(cfg)
     out: dict[str, dict[str, Any]] = {}
     for name, sha in receipt_hashes(cfg).items():
-        entry = book.latest(ledger.PROBE, f"{key}/{name.removesuffix('.json')}")
+        entry = book.latest(ledger.PROBE, f"{key}/{name.removesuffix(RECEIPT_SUFFIX)}")
         if entry is None or entry.digest != sha:
             raise RefusedError(
                 f"probe receipt {probe_dir(cfg) / name} is not the one the probe committed to the ledger "

@@ -74,7 +74,7 @@ def probe_receipts_complete(cfg: Config) -> None:
     """Every candidate of probe.candidates has a committed receipt, or a refusal."""
     kept = receipts.probe_receipts(cfg)
     names = [receipts.setting_name(c.arm, c.microbatch, c.allocator) for c in cfg.probe.candidates]
-    missing = [name for name in names if f"{name}.json" not in kept]
+    missing = [name for name in names if receipts.receipt_file(name) not in kept]
     if missing:
         raise RefusedError(f"no probe receipt for {', '.join(missing)}", hint=f"run `python -m coopstudy probe {cfg.arguments}`")
 

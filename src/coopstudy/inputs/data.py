@@ -286,15 +286,12 @@ def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked, po
     retention_convs, replay_convs, split = split_conversations(pool, d.retention_docs, d.replay_docs, d.replay_seed)
 
     task_docs = [
-        _encode(tokenizer, f"{t.family}/{t.index}", "task", t.family, tasks.training_messages(t), d.answer_weight)
+        _encode(tokenizer, t.task_id, "task", t.family, tasks.training_messages(t), d.answer_weight)
         for t in track(train_tasks, "tokenizing tasks")
     ]
     replay_docs = [_encode(tokenizer, c.doc_id, "replay", None, c.messages, d.replay_weight) for c in track(replay_convs, "tokenizing replay")]
     retention_docs = [_encode(tokenizer, c.doc_id, "retention", None, c.messages, 1.0) for c in track(retention_convs, "tokenizing retention")]
-    test_cases = [
-        {"case_id": f"{t.family}/{t.index}", "family": t.family, "messages": tasks.task_messages(t.question), "entry": t.entry}
-        for t in final.tasks
-    ]
+    test_cases = [tasks.test_case(t) for t in final.tasks]
     test_prompts = {c["case_id"]: len(chat.prompt_ids(tokenizer, c["messages"])) for c in track(test_cases, "tokenizing test prompts")}
     _check_prompts(cfg, task_docs + replay_docs + retention_docs, test_prompts)
 

@@ -44,6 +44,11 @@ class Task:
     def question(self) -> str:
         return self.entry["question"]
 
+    @property
+    def task_id(self) -> str:
+        """`family/index`: a training document's id, a test case's case_id."""
+        return f"{self.family}/{self.index}"
+
 
 @dataclass
 class FinalDraw:
@@ -93,6 +98,11 @@ def check_seed_ranges(families: Sequence[str], train_seed: int, train_n: int, te
         "data.test_seed",
         f"keep data.generation_seed and data.test_seed at least {len(families) * FAMILY_STRIDE} apart",
     )
+
+
+DEV_SEED = 5_000_000
+"""The development split's test seed (dev-split, bench generate): far from the
+presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
 
 
 def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_seed: int) -> None:
@@ -204,6 +214,12 @@ def generate_final(
 def task_messages(question: str) -> list[dict[str, str]]:
     """The prompt of a task, as the model sees it in training and at test."""
     return [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
+
+
+def test_case(task: Task) -> dict[str, Any]:
+    """A task as a case of a test set (the final test, the development split):
+    what scoring reads of it."""
+    return {"case_id": task.task_id, "family": task.family, "messages": task_messages(task.question), "entry": task.entry}
 
 
 def training_messages(task: Task) -> list[dict[str, str]]:

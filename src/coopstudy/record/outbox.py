@@ -364,8 +364,10 @@ class Outbox:
         finally:
             fh.close()
 
-    def keep(self, record: dict[str, Any]) -> None:
-        """Put the record behind the ones waiting, without asking the server."""
+    def keep(self, record: dict[str, Any], *, for_deliver: bool = False) -> None:
+        """Put the record behind the ones waiting, without asking the server.
+        `for_deliver`: what waits is for `remote deliver`, which the process
+        said; its exit does not try the store again."""
         with self._locked() as fh:
             size = os.fstat(fh.fileno()).st_size
             if size and os.pread(fh.fileno(), 1, size - 1) != b"\n":
@@ -373,7 +375,9 @@ class Outbox:
                 fh.write("\n")
             fh.write(json.dumps(record | {"run_id": self.run_id, "uri": self.uri}) + "\n")
             fh.flush()
-        if not self._exit_hook:
+        if for_deliver:
+            Outbox._reported.add(self.path)
+        elif not self._exit_hook:
             # A training process has no stage around it: its exit is its run's end.
             atexit.register(self._finish_at_exit)
             self._exit_hook = True
@@ -427,7 +431,9 @@ class Outbox:
                 except BaseException as err:
                     stop = _interruption(err, outer)
                     lost = is_outage(err, outer)
-                    if isinstance(err, Exception) and stop is None and not lost:
+                    # A store whose disk is full did not refuse the record: it waits for space.
+                    full = isinstance(err, Exception) and store.on_full_disk(err)
+                    if isinstance(err, Exception) and stop is None and not lost and not full:
                         self._reject(record, err)
                         refused_at.add(sent)
                         continue
@@ -436,6 +442,9 @@ class Outbox:
                     self._rewrite(records[sent:])
                     if stop is not None:
                         _raise_as_stop(err, stop)
+                    if full:
+                        print(f"coopstudy: {store.full_disk_said()}; the records of run {self.run_id} wait in {self.path}", file=sys.stderr, flush=True)
+                        return False
                     if not lost:
                         raise
                     self._went_away(err)
@@ -583,7 +592,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=(
             "Send the records a step kept while the tracking server did not answer (<home>/outbox/RUN_ID.jsonl) to "
             "the server they were written for (or --tracking-uri), in order, the runs' ends included. A record "
-            "delivered before is not doubled. Exit 2 when the server still does not answer; what waits stays."
+            "delivered before is not doubled. Exit 2 when the server still does not answer (or a local store's disk is still full); what waits stays."
         ),
     )  # fmt: skip
     d.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="only these runs' outboxes (default: all)")
@@ -619,7 +628,8 @@ def main(args: argparse.Namespace) -> int:
     done = deliver_all(args.run_ids, args.tracking_uri)
     left = [run for run, (ok, _) in done.items() if not ok]
     if left:
-        raise UserError(f"the server still does not answer; records of {len(left)} runs wait in {outbox_dir()} (run this again later)")
+        runs = f"{len(left)} run{'s' if len(left) != 1 else ''}"
+        raise UserError(f"the records of {runs} still wait in {outbox_dir()}: the store did not take them, as said above (run this again later)")
     refused = sum(n for _, n in done.values())
     if not done:
         print(f"no records wait in {outbox_dir()}")

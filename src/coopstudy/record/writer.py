@@ -74,12 +74,13 @@ class Recorder:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._outbox.send({"op": "text", "text": text, "artifact_file": artifact_file})
 
-    def terminate(self, status: str, *, wait: bool = False) -> None:
+    def terminate(self, status: str, *, wait: bool = False, for_deliver: bool = False) -> None:
         """The run's end; `wait`: kept in the outbox without asking the server
-        (a stop is under way), for `remote deliver` or the next drain to send."""
+        (a stop is under way), for `remote deliver` or the next drain to send;
+        `for_deliver`: for `remote deliver` only (Outbox.keep)."""
         record = {"op": "terminate", "status": status, "end_time": int(time.time() * 1000)}
-        if wait:
-            self._outbox.keep(record)
+        if wait or for_deliver:
+            self._outbox.keep(record, for_deliver=for_deliver)
         else:
             self._outbox.send(record)
 
@@ -332,6 +333,11 @@ def _end(rec: Recorder, status: str) -> bool:
         # the server, so an outage here leaves a parent's next child correctly nested.
         mlflow.end_run(status)
     except Exception as err:
+        if store.on_full_disk(err):
+            # The store cannot take the end now; once it has space, `remote deliver` can.
+            with contextlib.suppress(OSError):
+                rec.terminate(status, for_deliver=True)
+            raise
         if not outbox.is_outage(err):
             raise
         rec.terminate(status)

@@ -318,7 +318,12 @@ def failure(run_id: str, arm: str, workers: int, code: int, here: int | None = N
 
 class Terminated(KeyboardInterrupt):
     """The stage process was asked to stop (SIGTERM, SIGHUP): handled as an
-    interrupt, so the run ends KILLED rather than FAILED."""
+    interrupt, so the run ends KILLED rather than FAILED; `signum` says by
+    which signal (the CLI exits 128 + it, as a shell tells a signal's end)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 class Interrupted(KeyboardInterrupt):
@@ -360,7 +365,7 @@ def _on_stop_signal(signum: int, frame: object) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     name = _signal_name(signum) or f"signal {signum}"
-    raise Terminated(f"stopped by {name}; every process it launched was stopped too")
+    raise Terminated(f"stopped by {name}; every process it launched was stopped too", signum)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -53,7 +53,7 @@ def _notes(doc: dict) -> list[str]:
     microbatch, and where an arm's receipt is of the other allocator."""
     notes = []
     for arm, a in doc["arms"].items():
-        if a["receipt"] != f"{receipts.setting_name(arm, a['microbatch'], a['allocator'])}.json":
+        if a["receipt"] != receipts.receipt_file(receipts.setting_name(arm, a["microbatch"], a["allocator"])):
             notes.append(
                 f"note: {arm} runs with the {a['allocator']} allocator; its receipt {a['receipt']} stands for it: "
                 "on CPU the allocator setting changes nothing (it configures CUDA's allocator only)"
