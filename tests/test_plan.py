@@ -110,6 +110,17 @@ def test_a_committed_file_whose_rewrite_is_cut_short_stays_as_it_was(planned, mo
             workspace.write_text(path, "{}")
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
+    # A probe receipt written again (a candidate probed again) the same way.
+    cfg = config.load("tiny")
+    (kept, *_) = sorted(receipts.probe_dir(cfg).glob("*.json"))
+    before, entries = kept.read_bytes(), len(ledger.Ledger().entries())
+    again = json.loads(before) | {"run_id": "f" * 32}
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "fsync", no_space)
+        with pytest.raises(OSError, match="No space left"):
+            receipts.keep_receipt(cfg, again)
+    assert kept.read_bytes() == before and len(ledger.Ledger().entries()) == entries
+    assert sorted(p.name for p in kept.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_train_refuses_without_a_plan():

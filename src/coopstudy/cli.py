@@ -39,11 +39,12 @@ from coopstudy import config as config_mod
 from coopstudy import steps as steps_pkg
 from coopstudy import workspace
 from coopstudy.errors import UserError
+from coopstudy.record import schema
 
-# In protocol order; `--help` lists them so.
 STUDY_STAGES = steps_pkg.ORDER
-STEPS = (*STUDY_STAGES, "study")
-"""The steps a study runs: every step but `study` itself."""
+"""The steps a study runs, in protocol order (`--help` lists them so)."""
+STEPS = (*STUDY_STAGES, schema.STAGE_STUDY)
+"""Every step command: the study's, then `study`, which runs them all."""
 TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
 # Started by `train` and `probe`, never by hand, so `--help` does not list it:
 # the training loop's module imports torch, and listing it would cost seconds.
@@ -262,15 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as err:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.
-        from coopstudy.record import store
+        from coopstudy.record import store, writer
 
         if not store.on_full_disk(err):
             raise
-        print(
-            f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again "
-            "(a run this step had opened stays RUNNING until `python -m coopstudy remote deliver` ends it)",
-            file=sys.stderr,
-        )
+        kept = writer.ends_kept()
+        runs = f"run {', '.join(kept)} stays RUNNING until `python -m coopstudy remote deliver` ends it" if kept else "a run this step had opened stays RUNNING"
+        print(f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again ({runs})", file=sys.stderr)
         return 2
 
 

@@ -121,7 +121,8 @@ def _holds_checkpoint(run_id: str) -> bool:
         return False
 
 
-PREPARE, VERIFY, PROBE, PLAN, TRAIN, SELECT, EVALUATE, REPORT = steps_pkg.ORDER
+PREPARE, VERIFY, PROBE, PLAN = schema.STAGE_PREPARE, schema.STAGE_VERIFY, schema.STAGE_PROBE, schema.STAGE_PLAN
+TRAIN, SELECT, EVALUATE, REPORT = schema.STAGE_TRAIN, schema.STAGE_SELECT, schema.STAGE_EVALUATE, schema.STAGE_REPORT
 
 
 def train_step(arm: str) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from coopstudy import errors, workspace
 from coopstudy.commit import ledger as ledger_mod
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ARMS, BOTH, Config
 from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store
 
@@ -121,7 +121,7 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
         todo = [arm for arm in ARMS if arm not in found]
         raise RefusedError(
             f"{'; '.join(problems)} (plan {plan_sha[:12]})",
-            hint=f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else 'both'}`",
+            hint=f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else BOTH}`",
         )
     return found
 

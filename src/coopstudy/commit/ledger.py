@@ -364,7 +364,7 @@ class _Record:
         held = tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
         if held != entry.digest:
             # A select during an outage: its run's tags wait on this host.
-            waiting = _waiting_in_outbox(entry.digest)
+            waiting = _waiting_in_outbox(entry.digest, run_id)
             if waiting:
                 return (
                     f"select run {run_id}'s tag {schema.TAG_CANDIDATE_PREFIX}{arm} still waits in {waiting}; "
@@ -375,14 +375,15 @@ class _Record:
         return None
 
 
-def _waiting_in_outbox(digest: str) -> str | None:
-    """The outbox file of this host that still holds a record naming `digest`."""
+def _waiting_in_outbox(digest: str, run_id: str | None = None) -> str | None:
+    """The outbox file of this host (of run `run_id`'s alone, where given)
+    that still holds a record naming `digest`."""
     from coopstudy.record import outbox
 
     folder = outbox.outbox_dir()
     if not folder.is_dir():
         return None
-    for path in sorted(folder.glob("*.jsonl")):
+    for path in sorted(folder.glob(f"{run_id or '*'}.jsonl")):
         with contextlib.suppress(OSError):
             if digest in path.read_text():
                 return str(path)

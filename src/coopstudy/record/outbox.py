@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -69,6 +70,12 @@ def is_outage(err: BaseException, outer: BaseException | None = None) -> bool:
 
     lost = (requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError)
     return any(isinstance(seen, lost) for seen in errors.chain(err, outer))
+
+
+def _on_full_disk(err: BaseException) -> bool:
+    """A local store (SQLite, or a file artifact store) that had no space for the record."""
+    full = (errno.ENOSPC, errno.EDQUOT)
+    return store.on_full_disk(err) or any(isinstance(seen, OSError) and seen.errno in full for seen in errors.chain(err))
 
 
 def _interruption(err: BaseException, outer: BaseException | None = None) -> BaseException | None:
@@ -316,6 +323,8 @@ class Outbox:
         self.rejected = self.path.with_suffix(".rejected")
         self.refused = 0
         """Waiting records the server refused (kept aside) since this outbox was opened."""
+        self.waits_for: str | None = None
+        """Why records still wait after the last delivery that left some."""
         self._retry_at = 0.0
         self._interval = RETRY_FIRST_S
         self._exit_hook = False
@@ -417,8 +426,11 @@ class Outbox:
                   f"kept in {self.rejected}", file=sys.stderr, flush=True)  # fmt: skip
         return records
 
-    def deliver(self) -> bool:
-        """Send every waiting record in order; True when none is left."""
+    def deliver(self, *, full_waits: bool = False) -> bool:
+        """Send every waiting record in order; True when none is left (else
+        `waits_for` says why). `full_waits` (remote deliver): a store whose
+        disk is full keeps the records waiting, as an outage does; a step's
+        own sends raise it, to end in one line."""
         if not self.path.exists():
             return True
         outer = sys.exception()
@@ -432,7 +444,7 @@ class Outbox:
                     stop = _interruption(err, outer)
                     lost = is_outage(err, outer)
                     # A store whose disk is full did not refuse the record: it waits for space.
-                    full = isinstance(err, Exception) and store.on_full_disk(err)
+                    full = full_waits and isinstance(err, Exception) and _on_full_disk(err)
                     if isinstance(err, Exception) and stop is None and not lost and not full:
                         self._reject(record, err)
                         refused_at.add(sent)
@@ -443,10 +455,11 @@ class Outbox:
                     if stop is not None:
                         _raise_as_stop(err, stop)
                     if full:
-                        print(f"coopstudy: {store.full_disk_said()}; the records of run {self.run_id} wait in {self.path}", file=sys.stderr, flush=True)
+                        self.waits_for = store.full_disk_said(self.uri)
                         return False
                     if not lost:
                         raise
+                    self.waits_for = f"the server {self.uri} does not answer ({reason(err)})"
                     self._went_away(err)
                     return False
             os.unlink(self.path)
@@ -535,23 +548,25 @@ class Outbox:
 # --- python -m coopstudy remote ----------------------------------------------
 
 
-def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[bool, int]]:
+def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[str | None, int]]:
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
-    written for, or to `uri`; run id -> (whether nothing is left, how many records the server refused)."""
+    written for, or to `uri`; run id -> (why records still wait, None when none does;
+    how many records the server refused)."""
     paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
-    done: dict[str, tuple[bool, int]] = {}
+    done: dict[str, tuple[str | None, int]] = {}
     for path in paths:
         if not path.is_file():
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
         target = uri or _written_for(path)
         if target is None:  # no record in it: removed under the lock, as any delivered outbox
-            done[path.stem] = (Outbox(path.stem, "", None).deliver(), 0)
+            Outbox(path.stem, "", None).deliver()
+            done[path.stem] = (None, 0)
             continue
         # This command says itself whether the server answered.
         Outbox._warned.add(path)
         where = "--tracking-uri" if uri else f"the records in {path}"
         box = Outbox(path.stem, target, store.client(target, where))
-        done[path.stem] = (box.deliver(), box.refused)
+        done[path.stem] = (None if box.deliver(full_waits=True) else box.waits_for, box.refused)
     return done
 
 
@@ -626,10 +641,11 @@ def main(args: argparse.Namespace) -> int:
         return 0
     store.use_http_defaults()
     done = deliver_all(args.run_ids, args.tracking_uri)
-    left = [run for run, (ok, _) in done.items() if not ok]
+    left = {run: why for run, (why, _) in done.items() if why is not None}
     if left:
         runs = f"{len(left)} run{'s' if len(left) != 1 else ''}"
-        raise UserError(f"the records of {runs} still wait in {outbox_dir()}: the store did not take them, as said above (run this again later)")
+        why = "; ".join(sorted(set(left.values())))
+        raise UserError(f"the records of {runs} still wait in {outbox_dir()}: {why} (run this again later)")
     refused = sum(n for _, n in done.values())
     if not done:
         print(f"no records wait in {outbox_dir()}")

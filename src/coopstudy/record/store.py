@@ -224,9 +224,10 @@ def on_full_disk(err: BaseException) -> bool:
     return any(isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen) for seen in errors.chain(err))
 
 
-def full_disk_said() -> str:
-    """A tracking store whose disk is full, in the words every process that meets it says (cli.main, a training rank)."""
-    return f"the disk of the tracking store {tracking_uri()} is full (database or disk is full)"
+def full_disk_said(uri: str | None = None) -> str:
+    """A tracking store (this process's, or `uri`) whose disk is full, in the
+    words every process that meets it says (cli.main, a training rank, remote deliver)."""
+    return f"the disk of the tracking store {uri or tracking_uri()} is full (database or disk is full)"
 
 
 class _QuietStore(logging.Filter):
@@ -317,6 +318,8 @@ def client(uri: str | None = None, where: str | None = None):
     uri = uri or tracking_uri()
     where = where or origin(uri)
     _check_sqlite(uri, where)
+    if uri.startswith("sqlite"):  # `remote deliver`'s own URI, too
+        logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
     try:
         return MlflowClient(tracking_uri=uri)
     except MlflowException as err:

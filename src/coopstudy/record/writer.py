@@ -9,6 +9,7 @@ import contextvars
 import functools
 import json
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -74,13 +75,12 @@ class Recorder:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._outbox.send({"op": "text", "text": text, "artifact_file": artifact_file})
 
-    def terminate(self, status: str, *, wait: bool = False, for_deliver: bool = False) -> None:
-        """The run's end; `wait`: kept in the outbox without asking the server
-        (a stop is under way), for `remote deliver` or the next drain to send;
-        `for_deliver`: for `remote deliver` only (Outbox.keep)."""
+    def terminate(self, status: str, *, for_deliver: bool = False) -> None:
+        """The run's end; `for_deliver`: kept in the outbox without asking the
+        server, for `remote deliver` only (Outbox.keep)."""
         record = {"op": "terminate", "status": status, "end_time": int(time.time() * 1000)}
-        if wait or for_deliver:
-            self._outbox.keep(record, for_deliver=for_deliver)
+        if for_deliver:
+            self._outbox.keep(record, for_deliver=True)
         else:
             self._outbox.send(record)
 
@@ -335,18 +335,39 @@ def _end(rec: Recorder, status: str) -> bool:
     except Exception as err:
         if store.on_full_disk(err):
             # The store cannot take the end now; once it has space, `remote deliver` can.
-            with contextlib.suppress(OSError):
-                rec.terminate(status, for_deliver=True)
+            _keep_end(rec, status)
             raise
         if not outbox.is_outage(err):
             raise
         rec.terminate(status)
     except BaseException:
         # A stop while the server was asked: MLflow no longer holds the run, which
-        # may still be RUNNING there; its end waits for `remote deliver`.
-        rec.terminate(status, wait=True)
+        # may still be RUNNING there; its end waits for `remote deliver` (not
+        # for this process's exit, which the stop asked to come now).
+        if _keep_end(rec, status):
+            print(f"coopstudy: run {rec.run_id} may still be RUNNING; `python -m coopstudy remote deliver {rec.run_id}` ends it", file=sys.stderr)
         raise
     return rec.finish()
+
+
+_ENDS_KEPT: list[str] = []
+"""Runs whose end this process kept for `remote deliver` (ends_kept)."""
+
+
+def _keep_end(rec: Recorder, status: str) -> bool:
+    """The run's end kept in its outbox for `remote deliver`; False where the
+    home's disk would not take it either (nothing then waits)."""
+    try:
+        rec.terminate(status, for_deliver=True)
+    except OSError:
+        return False
+    _ENDS_KEPT.append(rec.run_id)
+    return True
+
+
+def ends_kept() -> list[str]:
+    """The runs whose end waits for `remote deliver`, kept by this process."""
+    return list(_ENDS_KEPT)
 
 
 def _record_failure(rec: Recorder, err: BaseException) -> None:

@@ -59,7 +59,6 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    renamed = False
     try:
         tmp.mkdir()
         # One file, whatever the model size (transformers shards only above
@@ -73,16 +72,15 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
         digest = workspace.sha256_file(path)
         verify(tmp, model.state_dict(), digest)
         os.replace(tmp, folder)
-        renamed = True
         _fsync(folder.parent)
     except OSError as err:
-        _discard(tmp, folder, renamed)
+        _discard(tmp, folder)
         what = errno.errorcode.get(err.errno or 0, type(err).__name__)
         raise CheckpointWriteFailed(
             f"cannot write the checkpoint {folder}: {err.strerror or err} ({what}); nothing of it was kept"
         ) from err
     except BaseException:
-        _discard(tmp, folder, renamed)
+        _discard(tmp, folder)
         raise
     return Saved(folder=folder, sha256=digest, seconds=time.perf_counter() - start)
 
@@ -120,9 +118,11 @@ def _flush(folder: Path) -> None:
     _fsync(folder)
 
 
-def _discard(tmp: Path, folder: Path, renamed: bool) -> None:
+def _discard(tmp: Path, folder: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
-    if renamed:  # whole, but its name may not be on disk: no run will record it
+    # Files at the checkpoint's name are this save's (`save` refuses a folder
+    # that holds any), renamed there before the failure: no run will record them.
+    if folder.is_dir() and any(folder.iterdir()):
         _remove(folder)
         return
     # The caller's empty folder goes too: nothing at the checkpoint's name.

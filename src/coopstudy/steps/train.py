@@ -205,8 +205,10 @@ def train_arm(
     try:
         done = launch.run(cmd, launch.worker_environment(cfg, rec.run_id), label=f"train {arm}", held=held)
     except BaseException:
-        # A stopped attempt spent its devices until the stop: the budget guard counts it.
-        _log_spent(rec, cfg, workers, time.perf_counter() - start)
+        # A stopped attempt spent its devices until the stop: the budget guard
+        # counts it. A failure to record it must not take the stop's place.
+        with contextlib.suppress(Exception):
+            _log_spent(rec, cfg, workers, time.perf_counter() - start)
         raise
     # A failed attempt spent its device time too: recorded either way.
     _log_spent(rec, cfg, workers, done.complete_seconds, launch.machine_metrics(done))
@@ -260,7 +262,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         # One lock over both arms: no other job slips in between them. Both arms
         # must fit before the first starts; each is checked again at its start,
         # against what the first really spent.
-        parent_run = writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-both-{cfg.preset}")
+        parent_run = writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-{BOTH}-{cfg.preset}")
         with parent_run as parent, _checked(parent, cfg, arms, devices, holder) as (held, sha, req):
             for arm in arms:
                 with _arm_run(cfg, arm, req) as rec:
