@@ -790,11 +790,16 @@ def test_a_training_rank_whose_tracking_store_fills_up_says_so_in_one_line(plann
 # --- 3. two jobs at once ---------------------------------------------------
 
 
-def _together(store: Store, tmp: Path, *argv: str) -> list[tuple[int, str]]:
-    """The same command twice, started together; (exit code, output) of each."""
+def _together(
+    store: Store, tmp: Path, *argv: str, meanwhile: Callable[[list[subprocess.Popen], list[Path]], None] | None = None
+) -> list[tuple[int, str]]:
+    """The same command twice, started together; (exit code, output) of each.
+    `meanwhile(jobs, logs)` runs once both have started."""
     logs = [tmp / f"job{n}.log" for n in (0, 1)]
     jobs = [_start_stage(store, log, *argv) for log in logs]
     try:
+        if meanwhile is not None:
+            meanwhile(jobs, logs)
         codes = [job.wait(timeout=600) for job in jobs]
     finally:
         for job in jobs:
@@ -910,22 +915,16 @@ def test_two_selects_at_once_commit_one_selection(trained_store, tmp_path):
     # left the second to start after the first had finished, most times).
     with open(book, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        logs = [tmp_path / f"select{n}.log" for n in (0, 1)]
-        jobs = [_start_stage(store, log, "select", "--preset", "tiny") for log in logs]
-        try:
+
+        def both_wait_then_go(jobs: list[subprocess.Popen], logs: list[Path]) -> None:
             deadline = time.monotonic() + 120
             while _waiting_for_the_lock(book) < 2:
                 assert all(job.poll() is None for job in jobs), [log.read_text()[-2000:] for log in logs]
                 assert time.monotonic() < deadline, "the two selects never both waited for the ledger"
                 time.sleep(0.2)
             fcntl.flock(held, fcntl.LOCK_UN)
-            codes = [job.wait(timeout=120) for job in jobs]
-        finally:
-            for job in jobs:
-                if job.poll() is None:
-                    os.killpg(job.pid, signal.SIGKILL)
-                    job.wait()
-    (ok, _), (refused, said) = sorted(zip(codes, (log.read_text() for log in logs)))
+
+        (ok, _), (refused, said) = sorted(_together(store, tmp_path, "select", "--preset", "tiny", meanwhile=both_wait_then_go))
     assert (ok, refused) == (0, 2), said[-3000:]
     assert said.strip().splitlines()[-1].startswith("coopstudy select: error: the final candidates of plan "), said[-3000:]
     assert "were already selected at" in said and "a selection is made once" in said and "Traceback" not in said
