@@ -240,6 +240,29 @@ def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_stop_while_a_dead_jobs_lock_is_recovered_leaves_its_name_for_the_next_job(monkeypatch, capsys):
+    # Before, the release emptied the file: the dead job's runs stayed RUNNING
+    # and its leftover processes went on, with nothing left to name them.
+    import socket
+
+    path = workspace.subdir("locks") / f"{socket.gethostname()}-stopped.lock"
+    dead = {"pid": 2**22 + 1, "holder": "a job killed", "since": 0.0, "runs": ["0" * 32]}
+    path.write_text(json.dumps(dead))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(lock, "_recover", stopped)
+        with pytest.raises(KeyboardInterrupt), lock.device_lock(["stopped"], "the next job"):
+            pass
+    assert json.loads(path.read_text()) == dead
+    with lock.device_lock(["stopped"], "and the next"):
+        pass
+    assert "is stale, its process is gone" in capsys.readouterr().err
+    assert path.read_text() == ""
+
+
 def test_a_lock_file_of_bytes_no_job_wrote_is_taken(capsys):
     """Not UTF-8, not JSON: no holder to name or stop, and the device is free."""
     import socket

@@ -23,12 +23,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from coopstudy import steps as steps_pkg
 from coopstudy import workspace
 from coopstudy.commit import require, sources
 from coopstudy.config import ARMS, BOTH, Config, arms_of
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
-from coopstudy import steps as steps_pkg
 
 HELP = "run every step of the study in order, reusing unchanged finished steps"
 DESCRIPTION = """\

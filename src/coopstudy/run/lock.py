@@ -187,6 +187,9 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
     folder = workspace.subdir("locks")
     host = socket.gethostname()
     held: list[IO[str]] = []
+    settled: list[IO[str]] = []
+    """Held files whose dead job (if any) was recovered: safe to empty."""
+    written = False
     info: dict[str, Any] = {"pid": os.getpid(), "holder": holder, "since": time.time(), "runs": []}
     recovered: list[dict[str, Any]] = []
     try:
@@ -208,12 +211,17 @@ def device_lock(devices: Sequence[str], holder: str) -> Iterator[Held]:
                 if not any(left == r for r in recovered):
                     _recover(device, host, left, holder)
                     recovered.append(left)
+            settled.append(fh)
         lock = Held(held, info)
         lock.write()
+        written = True
         yield lock
     finally:
         for fh in held:
-            fh.truncate(0)
+            # A dead job's name stays until its recovery is done: a stop during
+            # it leaves its runs and processes for the next job to end.
+            if written or fh in settled:
+                fh.truncate(0)
             fh.close()
 
 
