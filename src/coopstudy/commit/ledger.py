@@ -287,10 +287,7 @@ class _Record:
             held = self._held_instead(entry)
             waiting = _waiting_in_outbox(entry.digest)
             if waiting:
-                return (
-                    f"its run's tag {schema.TAG_COMMITMENT_PREFIX}{entry.kind} still waits in {waiting}; "
-                    "deliver it: `python -m coopstudy remote deliver`"
-                )
+                return _still_waits("its run's", schema.TAG_COMMITMENT_PREFIX + entry.kind, waiting)
             return f"no run of the record committed {entry.digest[:12]}{held}; {_recommit(entry)}"
         if entry.kind == GATE:
             return self._gate_receipt(entry)
@@ -366,13 +363,15 @@ class _Record:
             # A select during an outage: its run's tags wait on this host.
             waiting = _waiting_in_outbox(entry.digest, run_id)
             if waiting:
-                return (
-                    f"select run {run_id}'s tag {schema.TAG_CANDIDATE_PREFIX}{arm} still waits in {waiting}; "
-                    "deliver it: `python -m coopstudy remote deliver`"
-                )
+                return _still_waits(f"select run {run_id}'s", schema.TAG_CANDIDATE_PREFIX + arm, waiting)
             said = f"selected {held[:12]}" if held else "selected nothing"
             return f"select run {run_id} {said} for the {arm} arm, the ledger says {entry.digest[:12]}; {_recommit(entry)}"
         return None
+
+
+def _still_waits(whose: str, tag: str, outbox_file: str) -> str:
+    """A commitment's mirror that has not reached the record yet: it waits in this host's outbox."""
+    return f"{whose} tag {tag} still waits in {outbox_file}; deliver it: `python -m coopstudy remote deliver`"
 
 
 def _waiting_in_outbox(digest: str, run_id: str | None = None) -> str | None:

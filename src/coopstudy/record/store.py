@@ -212,7 +212,7 @@ def tracking_uri() -> str:
         if parts.scheme in ("http", "https"):
             use_http_defaults()
         elif parts.scheme == "sqlite":
-            logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
+            _quiet_sqlite()
     return uri
 
 
@@ -243,6 +243,11 @@ class _QuietStore(logging.Filter):
 
 
 _QUIET_STORE = _QuietStore()
+
+
+def _quiet_sqlite() -> None:
+    """MLflow's SQLite store says no more than _QuietStore lets through (adding it twice is adding it once)."""
+    logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
 
 
 SQLITE_HEADER = b"SQLite format 3\0"
@@ -319,7 +324,7 @@ def client(uri: str | None = None, where: str | None = None):
     where = where or origin(uri)
     _check_sqlite(uri, where)
     if uri.startswith("sqlite"):  # `remote deliver`'s own URI, too
-        logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_STORE)
+        _quiet_sqlite()
     try:
         return MlflowClient(tracking_uri=uri)
     except MlflowException as err:
