@@ -210,16 +210,23 @@ with lock.device_lock(["testdev"], "a job that will be killed") as held:
 """
 
 
-def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
+def test_a_lock_left_by_a_killed_job_is_taken_saying_so(tmp_path, capsys, _migrated_db):
     """SIGKILL frees the flock but leaves the holder's name in the file: the
-    next job says so, stops what the dead job left running, ends its run."""
+    next job says so, stops what the dead job left running, ends its run, in
+    the store the dead job wrote it to (not the next job's: before, it was
+    looked for there, not found, and left RUNNING without a word)."""
+    import shutil
+
     import psutil
 
     from coopstudy.record import store
 
-    client = store.client()
-    run_id = client.create_run(store.experiment_id("coopstudy")).info.run_id
-    holder = subprocess.run([sys.executable, "-c", STALE_HOLDER, run_id], capture_output=True, text=True, timeout=120)
+    shutil.copy(_migrated_db, tmp_path / "theirs.db")
+    theirs = f"sqlite:///{tmp_path / 'theirs.db'}"
+    client = store.client(theirs)
+    run_id = client.create_run(client.create_experiment("coopstudy")).info.run_id
+    env = {**os.environ, "MLFLOW_TRACKING_URI": theirs}
+    holder = subprocess.run([sys.executable, "-c", STALE_HOLDER, run_id], capture_output=True, text=True, timeout=120, env=env)
     assert holder.returncode == -9, holder.stderr
     left = int(holder.stdout.split()[0])
     assert psutil.pid_exists(left)
@@ -232,12 +239,45 @@ def test_a_lock_left_by_a_killed_job_is_taken_saying_so(capsys):
     assert not psutil.pid_exists(left) or psutil.Process(left).status() == psutil.STATUS_ZOMBIE
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and "died without releasing device testdev" in run.data.tags[schema.TAG_ERROR]
+    assert run.data.tags[schema.TAG_ERROR_KIND] == schema.ERROR_KIND_STALE_LOCK
     # Released cleanly this time: the holder emptied the file (this process's
     # own pid in it would be taken without a word, emptied or not).
     assert [p.read_text() for p in (workspace.home() / "locks").glob("*testdev.lock")] == [""]
     with lock.device_lock(["testdev"], "and the next"):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_dead_jobs_run_on_a_server_that_does_not_answer_is_ended_by_remote_deliver(capsys):
+    # Before, a store that did not answer skipped the run without a word: it stayed RUNNING for ever.
+    import socket
+
+    from coopstudy.record import outbox, store
+
+    client = store.client()
+    exp = store.experiment_id("coopstudy")
+    dead, ended = (client.create_run(exp).info.run_id for _ in range(2))
+    away = f"http://127.0.0.1:{workspace.free_port()}"
+    path = workspace.subdir("locks") / f"{socket.gethostname()}-away.lock"
+    path.write_text(json.dumps({"pid": 2**22 + 1, "holder": "a job killed", "since": 0.0, "runs": [dead, ended], "tracking_uri": away}))
+    with lock.device_lock(["away"], "the next job"):
+        pass
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.endswith(
+        f"its runs {dead}, {ended} stay RUNNING until python -m coopstudy remote deliver {dead} {ended} ends them "
+        f"(the server {away} does not answer (connection refused)); taking the device"
+    ), said
+    assert path.read_text() == ""
+    # The server comes back (here: the store the runs are in); one of the runs ended meanwhile.
+    client.set_terminated(ended, "FINISHED")
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "remote", "deliver", dead, ended, "--tracking-uri", store.tracking_uri()],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "the dead run's end" in done.stderr
+    run = client.get_run(dead)
+    assert run.info.status == "KILLED" and "died without releasing device away" in run.data.tags[schema.TAG_ERROR]
+    assert client.get_run(ended).info.status == "FINISHED"
+    assert not list(outbox.outbox_dir().glob("*.jsonl"))
 
 
 def test_a_stop_while_a_dead_jobs_lock_is_recovered_leaves_its_name_for_the_next_job(monkeypatch, capsys):

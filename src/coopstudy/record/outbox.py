@@ -214,8 +214,35 @@ def apply(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
         _log_inputs(client, run_id, [_dataset_input(d) for d in record["datasets"]])
     elif op == "model":
         _apply_model(client, run_id, record)
+    elif op == "end_dead":
+        end_dead_run(client, run_id, record)
     else:
         raise ValueError(f"unknown outbox record {op!r}")
+
+
+def dead_run_end(reason: str, reason_tag: str) -> dict[str, Any]:
+    """The record that ends a run whose process died (a stale lock found it):
+    KILLED, `reason_tag` (the reason cut to a tag's length) as its error, the
+    whole reason as its error artifact."""
+    tags = [[schema.TAG_ERROR, reason_tag], [schema.TAG_ERROR_KIND, schema.ERROR_KIND_STALE_LOCK]]
+    return {"op": "end_dead", "tags": tags, "status": "KILLED", "end_time": int(time.time() * 1000),
+            "text": reason, "artifact_file": schema.ART_ERROR}  # fmt: skip
+
+
+def end_dead_run(client: Any, run_id: str, record: Mapping[str, Any]) -> bool:
+    """End the run as `record` (dead_run_end) says, if it is still RUNNING; True when it did.
+    Delivered late, the record must not undo an end that reached the store meanwhile."""
+    from mlflow.entities import RunTag
+
+    if client.get_run(run_id).info.status != "RUNNING":
+        return False
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in record["tags"]])
+    client.set_terminated(run_id, record["status"], end_time=record["end_time"])
+    # No traceback, the process that ran it being gone; an artifact store that
+    # does not take it must not keep the run RUNNING or hold its other records.
+    with contextlib.suppress(Exception):
+        client.log_text(run_id, record["text"], record["artifact_file"])
+    return True
 
 
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
@@ -305,8 +332,9 @@ def describe(records: list[dict[str, Any]]) -> str:
     if len(steps) > 3:
         parts.append(f"{len(steps) - 3} more metric keys")
     names = {"params": "params", "tags": "tags", "text": "text artifacts", "artifact": "uploads", "table": "tables",
-             "inputs": "dataset inputs", "model": "logged models", "terminate": "the run's end"}
-    parts += [f"{n} {names[k]}" if k != "terminate" else names[k] for k, n in other.items()]
+             "inputs": "dataset inputs", "model": "logged models", "terminate": "the run's end",
+             "end_dead": "the dead run's end"}
+    parts += [f"{n} {names[k]}" if k not in ("terminate", "end_dead") else names[k] for k, n in other.items()]
     return ", ".join(parts) or "nothing"
 
 

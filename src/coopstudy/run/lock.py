@@ -16,7 +16,10 @@ file that is free but not empty was left by a holder that died without
 releasing it (SIGKILL, the out-of-memory killer, a lost host): the next job
 says so, stops what the dead job launched if it still runs (its processes
 were in their own process group, which the file names), ends the dead job's
-runs that are still RUNNING as KILLED with the reason, and proceeds.
+runs that are still RUNNING as KILLED with the reason, in the tracking store
+the file names, and proceeds. A store that does not answer (or whose disk is
+full) gets that end in the run's outbox, as any record of an outage, and the
+line says which `remote deliver` ends the run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-from coopstudy import workspace
+from coopstudy import errors, workspace
 from coopstudy.errors import RefusedError
 from coopstudy.run import launch
 
@@ -79,7 +82,11 @@ class Held:
         """Add a run this job writes, or the process group of what it launched
         (None: that launch ended)."""
         if run_id is not None and run_id not in self.info["runs"]:
+            from coopstudy.record import store
+
             self.info["runs"].append(run_id)
+            # Where this job's runs are: the next job ends them there if this one dies.
+            self.info["tracking_uri"] = store.tracking_uri()
         if process_group is not None:
             try:
                 started = _create_time(process_group)
@@ -131,30 +138,51 @@ def _stop_leftovers(group: dict[str, Any]) -> list[int]:
 
 
 def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
-    """End the dead job's runs that are still RUNNING: KILLED, with the reason."""
-    from coopstudy.record import schema, store, writer
+    """End the dead job's runs that are still RUNNING (KILLED, with the reason),
+    in the store it wrote them to; the words of what was done and what waits."""
+    from coopstudy.record import outbox, store, writer
 
-    ended = []
+    runs = [r for r in info.get("runs", []) if isinstance(r, str)]
+    if not runs:
+        return []
+    uri = info.get("tracking_uri") if isinstance(info.get("tracking_uri"), str) else None
+    record = outbox.dead_run_end(reason, reason[: writer.MAX_TAG_CHARS])
+    ended: list[str] = []
+    waiting: dict[str, list[str]] = {}
+    said: list[str] = []
     try:
-        client = store.client()
-        for run_id in info.get("runs", []):
+        client = store.client(uri, where="the dead job's lock") if uri else store.client()
+        uri = uri or store.tracking_uri()
+        if store.is_http(uri):
+            store.use_http_defaults()
+        for run_id in runs:
+            box = outbox.Outbox(run_id, uri, client)
+            if box.path.exists():
+                # Its own records wait for the store: the end goes behind them, in order.
+                box.keep(record, for_deliver=True)
+                waiting.setdefault(f"records of it wait in {box.path}", []).append(run_id)
+                continue
             try:
-                run = client.get_run(run_id)
-            except Exception:  # noqa: BLE001 - not in this record
-                continue
-            if run.info.status != "RUNNING":
-                continue
-            client.set_tag(run_id, schema.TAG_ERROR, reason[: writer.MAX_TAG_CHARS])
-            client.set_tag(run_id, schema.TAG_ERROR_KIND, schema.ERROR_KIND_STALE_LOCK)
-            client.set_terminated(run_id, "KILLED")
-            ended.append(run_id)
-            # No traceback, the process that ran it being gone; an artifact store
-            # that does not take it must not leave the next dead run RUNNING.
-            with contextlib.suppress(Exception):
-                client.log_text(run_id, reason, schema.ART_ERROR)
+                if outbox.end_dead_run(client, run_id, record):
+                    ended.append(run_id)
+            except Exception as err:  # noqa: BLE001 - said, and the next run is tried
+                if outbox.is_outage(err):
+                    why = f"the server {uri} does not answer ({outbox.reason(err)})"
+                elif store.on_full_disk(err):
+                    why = store.full_disk_said(uri)
+                else:
+                    said.append(f"could not end its run {run_id} in {uri}: {errors.first_line(err)[:300]}")
+                    continue
+                box.keep(record, for_deliver=True)
+                waiting.setdefault(why, []).append(run_id)
     except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices
-        print(f"coopstudy: could not end the dead job's runs {', '.join(info.get('runs', []))}: {err}", file=sys.stderr, flush=True)
-    return ended
+        said.append(f"could not end its runs {', '.join(runs)}: {errors.first_line(err)[:300]}")
+    if ended:
+        said.insert(0, f"ended its run{'s' if len(ended) > 1 else ''} {', '.join(ended)} as KILLED")
+    for why, ids in waiting.items():
+        said.append(f"its run{'s' if len(ids) > 1 else ''} {', '.join(ids)} stay{'' if len(ids) > 1 else 's'} RUNNING "
+                    f"until python -m coopstudy remote deliver {' '.join(ids)} ends {'them' if len(ids) > 1 else 'it'} ({why})")  # fmt: skip
+    return said
 
 
 def _recover(device: str, host: str, info: dict[str, Any], holder: str) -> None:
@@ -168,12 +196,10 @@ def _recover(device: str, host: str, info: dict[str, Any], holder: str) -> None:
     reason = f"the job {who} died without releasing device {device} on {host} (killed?); found by {holder} (pid {os.getpid()})"
     if stopped:
         reason += f", which stopped its leftover processes {', '.join(map(str, stopped))}"
-    ended = _end_dead_runs(info, reason)
     parts = [f"device {device} on {host}: the lock of {who} is stale, its process {gone}"]
     if stopped:
         parts.append(f"stopped its leftover processes {', '.join(map(str, stopped))}")
-    if ended:
-        parts.append(f"ended its run{'s' if len(ended) > 1 else ''} {', '.join(ended)} as KILLED")
+    parts += _end_dead_runs(info, reason)
     print(f"coopstudy: {'; '.join(parts)}; taking the device", file=sys.stderr, flush=True)
 
 
