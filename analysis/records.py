@@ -307,7 +307,14 @@ def _case_table(model: str, run_id: str) -> pd.DataFrame:
     frame = _read_table(run_id, schema.ART_TEST_TABLE, CASE_COLUMNS, what)
     # The pre-registered rule: correct means the verifier gave full credit.
     # Partial credit (0.5) is not correct, whatever else the table says.
-    correct = frame["score"].astype(float) >= 1.0
+    scores = pd.to_numeric(frame["score"], errors="coerce").astype(float)
+    unscored = ~scores.between(0.0, 1.0)  # NaN, a missing score or one out of range: a verifier that failed
+    if unscored.any():
+        # Counted as wrong, a broken verifier of the seed would read as the arms' gain.
+        first = frame["case_id"][unscored].iloc[0]
+        raise RefusedError(f"{what} run {run_id}: {int(unscored.sum())} case(s) have no score in [0, 1] (first: {first}, "
+                           f"score {frame['score'][unscored].iloc[0]!r}); evaluate again")  # fmt: skip
+    correct = scores >= 1.0
     if "correct" in frame.columns and not (frame["correct"].astype(bool) == correct).all():
         bad = int((frame["correct"].astype(bool) != correct).sum())
         raise RefusedError(f"{what} run {run_id}: {bad} case(s) marked correct without a score of 1.0, or the reverse")

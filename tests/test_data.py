@@ -195,6 +195,34 @@ def test_what_counts_as_shared_text():
     assert conversations.Fingerprints.of([_conv("e", "x", topic="T")]).overlaps(_conv("f", "y", topic="T"))
 
 
+def test_the_overlap_checks_count_each_kind_of_leak_and_prepare_refuses_one(tokenizer, tiny_seed, monkeypatch):
+    # The negative control of the manifest's zeros: the split skips all of these,
+    # so only a split made to leak shows that each check counts what it names.
+    line = "I would binge watch just about every single TV show there is on the streaming services"
+    probes = [_conv("p", line, topic="T"), _conv("q", "Sure, why not? I think that could work out fine.")]
+    leaks = {
+        "retention_in_replay": _conv("p", line, topic="T"),
+        "retention_ids_in_replay": _conv("p", "another answer"),
+        "replay_sharing_topic_with_retention": _conv("t", "a different answer", topic="T"),
+        f"replay_sharing_{conversations.NGRAM}gram_with_retention": _conv("n", "well, " + line.upper() + " honestly"),
+        "replay_sharing_long_message_with_retention": _conv("m", "sure,  why not?   I think that could work out FINE."),
+    }
+    assert set(leaks) == set(OVERLAP_CHECKS)
+    assert conversations.overlap_checks(probes, [_conv("fine", "no idea", topic="U")]) == dict.fromkeys(OVERLAP_CHECKS, 0)
+    for check, leak in leaks.items():
+        assert conversations.overlap_checks(probes, [leak])[check] == 1, check
+
+    split = data.split_conversations
+
+    def leaking(*args, **kwargs):
+        retention, replay, info = split(*args, **kwargs)
+        return retention, [*replay[:-1], retention[0]], info
+
+    monkeypatch.setattr(data, "split_conversations", leaking)
+    with pytest.raises(RuntimeError, match="retention against replay: retention_in_replay 1, retention_ids_in_replay 1"):
+        data.build(config.load("tiny"), tokenizer, tiny_seed)
+
+
 def test_replay_that_shares_text_with_a_probe_is_skipped(monkeypatch):
     monkeypatch.setattr(data, "RETENTION_MIN_GROUPS", 1)
     line = "I would binge watch just about every single TV show there is on the streaming services"

@@ -487,8 +487,8 @@ def _newest(store: Store, name: str):
 
 def _locks_free(store: Store) -> None:
     # Released: the holder emptied its files; a new holder takes them without a word.
-    for path in (store.home / "locks").glob("*.lock"):
-        assert path.read_text() == "", (path, path.read_text())
+    locks = list((store.home / "locks").glob("*.lock"))
+    assert locks and all(path.read_text() == "" for path in locks), {str(p): p.read_text() for p in locks}
 
 
 def _select_refuses(store: Store, arm: str, run_id: str, status: str) -> None:
@@ -526,6 +526,7 @@ def test_a_stopped_train_stage_stops_both_ranks_and_ends_killed(ends_store, sig,
             os.killpg(stage.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         if sig in (MLFLOW_RUNS_CTRL_C, CTRL_C_TWICE):
             time.sleep(0.5)  # the stage is stopping its ranks
+            assert stage.poll() is None, "the stage ended before the second signal: the case would be the plain one"
             stage.send_signal(signal.SIGTERM if sig == MLFLOW_RUNS_CTRL_C else signal.SIGINT)
         try:
             stage.wait(timeout=launch.STOP_GRACE_S + 60)
