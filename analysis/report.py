@@ -164,41 +164,60 @@ def dumps(report: dict[str, Any]) -> str:
 
 # --- tables shared by Markdown, HTML and the terminal -----------------------
 
-def fmt(value: float | None, unit: str) -> str:
+_PRINTED = {sc.POINTS: (100.0, 1), sc.NATS: (1.0, 4), sc.RATIO: (1.0, 3)}
+"""Per unit: the scale it is printed at and its usual digits after the point."""
+
+
+def fmt(value: float | None, unit: str, extra: int = 0) -> str:
+    """The value as the report prints it in `unit`, with `extra` digits beyond the usual."""
     if value is None:
         return "n/a"
+    digits = _PRINTED.get(unit, (1.0, 1))[1] + extra
     if unit == sc.POINTS:
-        return f"{value * 100:+.1f} pts"
+        return f"{value * 100:+.{digits}f} pts"
     if unit == sc.NATS:
-        return f"{value:+.4f} nats"
+        return f"{value:+.{digits}f} nats"
     if unit == sc.RATIO:
-        return f"{value:.3f}x"
-    return f"{value:,.1f}"
+        return f"{value:.{digits}f}x"
+    return f"{value:,.{digits}f}"
 
 
-def _bracket(pair: list[float] | None, unit: str) -> str:
+def told_apart(s: dict[str, Any]) -> int:
+    """The digits beyond the usual that a screen's figures need for the decisive one
+    and the threshold, as printed, to stand as the verdict says: a gain of 9.96 points
+    prints as +9.96 against a threshold of +10.00, not as +10.0 against +10.0."""
+    decisive = s["bound"] if s["bound"] is not None else s["estimate"]
+    scale, digits = _PRINTED.get(s["unit"], (1.0, 1))
+    for extra in range(9):
+        shown, threshold = (round(x * scale, digits + extra) for x in (decisive, s["threshold"]))
+        if sc.decide(shown, s["comparison"], threshold) == (s["verdict"] == "pass"):
+            return extra
+    return 9
+
+
+def _bracket(pair: list[float] | None, unit: str, extra: int = 0) -> str:
     if pair is None:
         return "n/a"
-    return f"[{fmt(pair[0], unit)}, {fmt(pair[1], unit)}]"
+    return f"[{fmt(pair[0], unit, extra)}, {fmt(pair[1], unit, extra)}]"
 
 
-def _screen_bounds(s: dict[str, Any]) -> str:
+def _screen_bounds(s: dict[str, Any], extra: int = 0) -> str:
     unit, d = s["unit"], s["details"]
     if s["name"] in (sc.ACCURACY_GAIN, sc.NONINFERIORITY):
         clears = ""
         if s["name"] == sc.ACCURACY_GAIN:
             clears = f"; Tango lower limit clears the threshold: {'yes' if d['tango_lower_clears_threshold'] else 'no'}"
-        return f"Tango {_bracket(s['interval'], unit)}, Newcombe {_bracket(d['newcombe_interval'], unit)}{clears}"
+        return f"Tango {_bracket(s['interval'], unit, extra)}, Newcombe {_bracket(d['newcombe_interval'], unit, extra)}{clears}"
     if s["name"] == sc.RETENTION:
         return (
-            f"paired t upper bound {fmt(s['bound'], unit)}; token-weighted {fmt(d['token_weighted_estimate'], unit)} "
-            f"(clustered SE {d['token_weighted_se']:.4f}, upper {fmt(d['token_weighted_upper'], unit)})"
+            f"paired t upper bound {fmt(s['bound'], unit, extra)}; token-weighted {fmt(d['token_weighted_estimate'], unit, extra)} "
+            f"(clustered SE {d['token_weighted_se']:.4f}, upper {fmt(d['token_weighted_upper'], unit, extra)})"
         )
     return f"control {d['control_seconds']:,.1f} s / compressed {d['compressed_seconds']:,.1f} s"
 
 
-def _rule(s: dict[str, Any]) -> str:
-    return f"{s['decided_on']} {s['comparison']} {fmt(s['threshold'], s['unit'])}"
+def _rule(s: dict[str, Any], extra: int = 0) -> str:
+    return f"{s['decided_on']} {s['comparison']} {fmt(s['threshold'], s['unit'], extra)}"
 
 
 def power_cell(s: dict[str, Any]) -> str:
@@ -210,19 +229,19 @@ def power_cell(s: dict[str, Any]) -> str:
 
 def screen_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["#", "screen", "estimate", "interval / bound (beside)", "rule", "sensitivity at this size", "power", "verdict"]
-    rows = [
-        [
+    rows = []
+    for i, s in enumerate(report["screens"], start=1):
+        extra = told_apart(s)
+        rows.append([
             str(i),
             s["title"],
-            fmt(s["estimate"], s["unit"]),
-            _screen_bounds(s),
-            _rule(s),
+            fmt(s["estimate"], s["unit"], extra),
+            _screen_bounds(s, extra),
+            _rule(s, extra),
             s.get("sensitivity", {}).get("note", "n/a"),
             power_cell(s),
             s["verdict"].upper(),
-        ]
-        for i, s in enumerate(report["screens"], start=1)
-    ]
+        ])  # fmt: skip
     return headers, rows
 
 

@@ -119,7 +119,7 @@ class Screen:
         return out
 
 
-def _decide(statistic: float, comparison: str, threshold: float) -> bool:
+def decide(statistic: float, comparison: str, threshold: float) -> bool:
     return bool(_COMPARE[comparison](statistic, threshold))
 
 
@@ -302,7 +302,7 @@ def accuracy_gain(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
         threshold=threshold,
         comparison=">=",
         decided_on="estimate",
-        passed=_decide(tango.estimate, ">=", threshold),
+        passed=decide(tango.estimate, ">=", threshold),
         method=(
             f"compressed - seed accuracy on the final test, paired by test case (n={table.n}); a case is correct "
             f"when its verifier scores 1.0; Tango's score interval, two-sided {cfg.interval_level:.0%} "
@@ -329,7 +329,7 @@ def noninferiority(cases: pd.DataFrame, cfg: ScreensConfig) -> Screen:
         threshold=cfg.noninferiority_margin,
         comparison=">",
         decided_on="lower bound",
-        passed=_decide(tango.lower, ">", cfg.noninferiority_margin),
+        passed=decide(tango.lower, ">", cfg.noninferiority_margin),
         method=(
             f"compressed - control accuracy on the final test, paired by test case (n={table.n}); lower limit of "
             f"Tango's two-sided {cfg.interval_level:.0%} score interval (Newcombe's hybrid score interval beside)"
@@ -384,7 +384,7 @@ def retention(retention: pd.DataFrame, cfg: ScreensConfig) -> Screen:
         threshold=cfg.retention_max_nll_increase,
         comparison="<",
         decided_on="upper bound",
-        passed=_decide(t_bound.upper, "<", cfg.retention_max_nll_increase),
+        passed=decide(t_bound.upper, "<", cfg.retention_max_nll_increase),
         method=(
             f"per retention document (n={len(diffs)}), compressed - seed mean per-token NLL of its assistant "
             f"tokens; one-sided {level:.0%} paired t upper bound of the mean over documents (each document "
@@ -418,7 +418,7 @@ def _speedup(train: pd.DataFrame, column: str, name: str, title: str, what: str,
         threshold=cfg.min_speedup,
         comparison=">=",
         decided_on="estimate",
-        passed=_decide(value, ">=", cfg.min_speedup),
+        passed=decide(value, ">=", cfg.min_speedup),
         method=f"control seconds / compressed seconds, {what}; one measured run per arm",
         run_ids={train_role(arm): _run_id(train, "arm", arm) for arm in ARMS},
         details={f"{arm}_seconds": seconds[arm] for arm in ARMS},

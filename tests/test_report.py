@@ -15,6 +15,7 @@ import pytest
 from fixtures import ROOT
 
 from analysis import records
+from analysis import report as rep
 from analysis import screens as sc
 from coopstudy import cli as cli_main
 from coopstudy import config
@@ -458,6 +459,36 @@ def test_plan_argument_takes_the_twelve_digits_every_step_prints(tiny):
     _plan_run(tiny, PLAN[:12] + "f" * 52)
     with pytest.raises(UserError, match=f"--plan {PLAN[:12]}: 2 plans .* begin with it in the record of experiment 'coopstudy'; give more digits"):
         records.study_key(tiny, PLAN[:12])
+
+
+def _at_threshold(name: str, unit: str, value: float, threshold: float, comparison: str, details: dict) -> dict:
+    bound = value if name == sc.RETENTION else None
+    return sc.Screen(name=name, title=name, unit=unit, estimate=value, threshold=threshold, comparison=comparison,
+                     decided_on="upper bound" if bound is not None else "estimate", passed=sc.decide(value, comparison, threshold),
+                     method="", run_ids={}, bound=bound, details=details).to_dict()  # fmt: skip
+
+
+def test_a_figure_at_its_threshold_is_printed_as_it_stands_to_it():
+    # Before, 102 of 1,024 cases printed "+10.0 pts" under "estimate >= +10.0 pts" and FAIL;
+    # a speedup of 1.0996 "1.100x" and FAIL; an upper bound of 0.019996 "+0.0200 nats" under "< +0.0200" and PASS.
+    tango = {"tango_lower_clears_threshold": False, "newcombe_interval": [0.07, 0.13]}
+    secs = {"control_seconds": 10.996, "compressed_seconds": 10.0}
+    nll = {"token_weighted_estimate": 0.01, "token_weighted_se": 0.001, "token_weighted_upper": 0.012}
+    screens = [
+        _at_threshold(sc.ACCURACY_GAIN, sc.POINTS, 102 / 1024, 0.10, ">=", tango),
+        _at_threshold(sc.ACTIVE_SPEEDUP, sc.RATIO, 1.0996, 1.10, ">=", secs),
+        _at_threshold(sc.RETENTION, sc.NATS, 0.019996, 0.02, "<", nll),
+        _at_threshold(sc.ACCURACY_GAIN, sc.POINTS, 0.125, 0.10, ">=", tango),
+    ]
+    _, rows = rep.screen_rows({"screens": screens})
+    shown = [(row[2], row[4], row[-1]) for row in rows]
+    assert shown == [
+        ("+9.96 pts", "estimate >= +10.00 pts", "FAIL"),
+        ("1.0996x", "estimate >= 1.1000x", "FAIL"),
+        ("+0.019996 nats", "upper bound < +0.020000 nats", "PASS"),
+        ("+12.5 pts", "estimate >= +10.0 pts", "PASS"),  # far from it: the usual digits
+    ]
+    assert "paired t upper bound +0.019996 nats" in rows[2][3]
 
 
 def test_a_pass_without_power_reads_as_such(capsys, tiny, tmp_path):
