@@ -19,6 +19,7 @@ from typing import Any
 from analysis import screens as sc
 from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
 from analysis.screens import evaluate_role
+from coopstudy import config as config_mod
 from coopstudy.config import ARMS, Config
 from coopstudy.record import schema, store
 
@@ -129,6 +130,13 @@ def _retention_nll(records: Records) -> dict[str, Any]:
     return out
 
 
+def _differs_from_preset(cfg: Config) -> dict[str, dict[str, str]]:
+    """The settings the study changed (`--set`) from its preset's file: a report
+    titled with a preset says which of the preset's numbers it did not run."""
+    own, preset = config_mod.flatten(cfg), config_mod.flatten(config_mod.load(cfg.preset))
+    return {key: {"preset": preset.get(key, "(none)"), "study": value} for key, value in own.items() if preset.get(key) != value}
+
+
 def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, Any]:
     """Every screen's value, bound, threshold, method, verdict and run ids, and the figures beside."""
     return _plain(
@@ -141,6 +149,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
                 "key": records.key.value,
                 "plan_sha256": records.plan,
                 "config_sha256": store.config_sha256(cfg),
+                "differs_from_preset": _differs_from_preset(cfg),
             },
             "runs": dict(sorted(records.runs.items())),
             "train_attempts": records.attempts.to_dict("records"),
@@ -356,7 +365,19 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _title(report: dict[str, Any]) -> str:
     study = report["study"]
-    return f"Study report: preset {study['preset']}, {study['grouped_by']} sha {study['key'][:12]}"
+    changed = len(study["differs_from_preset"])
+    own = f" with {changed} setting{'s' if changed != 1 else ''} of its own" if changed else ""
+    return f"Study report: preset {study['preset']}{own}, {study['grouped_by']} sha {study['key'][:12]}"
+
+
+def preset_line(report: dict[str, Any]) -> str:
+    """Which of the preset's settings the study changed, in one sentence."""
+    study = report["study"]
+    differs = study["differs_from_preset"]
+    if not differs:
+        return f"Every setting is preset {study['preset']}'s own."
+    changes = "; ".join(f"{key} {d['preset']} -> {d['study']}" for key, d in sorted(differs.items()))
+    return f"Settings that differ from preset {study['preset']}'s file (--set): {changes}."
 
 
 def _verdict_line(report: dict[str, Any]) -> str:
@@ -424,6 +445,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     parts = [
         f"# {_title(report)}",
         f"**{_verdict_line(report)}** The quality verdict needs screens 1-3, the speed verdict screens 4-5.",
+        preset_line(report),
         "## Screens (pre-registered)",
         _md_table(*screen_rows(report)),
         POWER_NOTE,
@@ -570,6 +592,7 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         f"<h1>{html.escape(_title(report))}</h1>",
         f"<p><strong>{verdicts}</strong></p>",
         *(f"<p>{html.escape(line)}</p>" for line in _unpowered(report)),
+        f"<p>{html.escape(preset_line(report))}</p>",
         "<h2>Screens (pre-registered)</h2>",
         _html_table(*screen_rows(report)),
         f"<p>{html.escape(POWER_NOTE)}</p>",

@@ -200,6 +200,7 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert report["runs"] == dict(sorted(ids.items()))
     assert report["candidates"] == CANDIDATE
     assert report["study"]["grouped_by"] == "config"
+    assert report["study"]["differs_from_preset"] == {}
     assert report["study"]["key"] == store.config_sha256(tiny)
     by_name = {s["name"]: s for s in report["screens"]}
     assert by_name["accuracy_gain"]["estimate"] == pytest.approx(0.40)
@@ -302,6 +303,26 @@ def test_failed_screens_are_a_result_not_an_error(capsys, tiny, tmp_path):
     assert by_name["active_speedup"]["run_ids"]["train/compressed"] == ids["train/compressed"]
     assert report["verdicts"] == {"quality": "pass", "speed": "fail"}
     assert "speed: FAIL" in out
+
+
+def test_a_study_with_settings_of_its_own_says_which_beside_the_presets_name(capsys, tmp_path):
+    # Before, a report titled "preset P" showed only a config sha: a microbatch or an update
+    # count of the study's own (`--set`) was nowhere on it.
+    changed = ["arms.control.microbatch=2", "train.lr=0.002"]
+    make_study(config.load("tiny", changed))
+    rc, out, err = _report(capsys, "--out", str(tmp_path), *config.set_arguments(changed))
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    tiny = config.flatten(config.load("tiny"))
+    assert report["study"]["differs_from_preset"] == {
+        "arms.control.microbatch": {"preset": tiny["arms.control.microbatch"], "study": "2"},
+        "train.lr": {"preset": tiny["train.lr"], "study": "0.002"},
+    }
+    said = f"Settings that differ from preset tiny's file (--set): arms.control.microbatch {tiny['arms.control.microbatch']} -> 2; train.lr {tiny['train.lr']} -> 0.002."
+    md = (tmp_path / schema.ART_REPORT_MD).read_text()
+    assert md.startswith("# Study report: preset tiny with 2 settings of its own, config sha ") and said in md
+    assert html.escape(said) in (tmp_path / schema.ART_REPORT_HTML).read_text()
+    assert said in " ".join(out.split())
 
 
 def test_missing_role_is_refused_by_name(capsys, tiny):
