@@ -16,10 +16,10 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT, module_store, run_cli
+from fixtures import ROOT, fake_train_run, module_store, run_cli
 
 from coopstudy import config, workspace
-from coopstudy.commit import budget, ledger, plan, receipts, require, sources
+from coopstudy.commit import budget, candidates, ledger, plan, receipts, require, sources
 from coopstudy.errors import ConfigError, RefusedError
 from coopstudy.inputs import data
 from coopstudy.record import schema, store
@@ -219,6 +219,21 @@ def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(pla
     refused = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FAILED' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
     assert refused.data.metrics[schema.M_SPENT_BEFORE_USD] == pytest.approx(m[schema.M_COST_USD])
     assert schema.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
+
+
+def test_an_arm_finished_under_the_plan_is_not_trained_again(planned, tiny_seed):
+    # Before, it trained again and select took the newest finished run: an arm could be
+    # trained until its speed screen passed, and the first run's weights were no candidate.
+    cfg = config.load("tiny")
+    first, _ = fake_train_run(cfg, "control", tiny_seed.path, plan_sha=planned[0])
+    done = run_cli("train", "--preset", "tiny", "--arm", "both")
+    said = (f"arm control finished under plan {planned[0][:12]} (train run {first}): an arm trains once per plan, its final "
+            "weights being its predetermined candidate; go on: `python -m coopstudy train --preset tiny --arm compressed`")  # fmt: skip
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [f"coopstudy train: error: {said}"])
+    refused = _runs("attributes.run_name = 'train-both-tiny'")[0]
+    assert refused.info.status == "FAILED" and said in refused.data.tags[schema.TAG_ERROR]
+    assert not _runs("attributes.run_name = 'train-compressed-tiny'")  # nothing was started
+    assert candidates.first_finished(cfg, planned[0], "control").info.run_id == first
 
 
 def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):

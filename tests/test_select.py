@@ -181,14 +181,16 @@ def test_weights_whose_artifact_differs_from_the_record_are_not_brought_back(cfg
     assert not folder.exists() and not _candidate_entries()
 
 
-def test_select_takes_the_newest_finished_run_of_the_plan(cfg, tiny_seed):
-    fake_train_run(cfg, "control", tiny_seed.path)
-    newest_id, newest = fake_train_run(cfg, "control", tiny_seed.path)
-    fake_train_run(cfg, "control", tiny_seed.path, status="FAILED")  # newer, but failed
+def test_select_takes_the_first_finished_run_of_the_plan(cfg, tiny_seed):
+    # The predetermined candidate: before, the newest finished run, so an arm trained
+    # again until it was fast enough replaced the planned one (train now refuses that).
+    fake_train_run(cfg, "control", tiny_seed.path, status="FAILED")  # older, but failed
+    first_id, first = fake_train_run(cfg, "control", tiny_seed.path)
+    fake_train_run(cfg, "control", tiny_seed.path)  # finished after it
     compressed_id, _ = fake_train_run(cfg, "compressed", tiny_seed.path)
     fake_train_run(cfg, "compressed", tiny_seed.path, plan_sha="cd" * 32)  # another plan
     found = candidates.final_train_runs(cfg, PLAN)
-    assert (found["control"].train_run_id, found["control"].path) == (newest_id, newest)
+    assert (found["control"].train_run_id, found["control"].path) == (first_id, first)
     assert found["compressed"].train_run_id == compressed_id
 
 

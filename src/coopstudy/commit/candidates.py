@@ -1,8 +1,8 @@
 """The two predetermined final candidates: each arm's final checkpoint of the
 planned run, committed once, by the sha256 of its weights.
 
-`final_candidates` finds the newest FINISHED train run of each arm under the
-plan and re-hashes its checkpoint against the hash that run recorded;
+`final_candidates` finds the first FINISHED train run of each arm under the
+plan (the planned one: train refuses an arm that finished under it) and re-hashes its checkpoint against the hash that run recorded;
 `commit` appends both to the ledger (kind candidate, subject
 `<plan sha>/<arm>`); the select step mirrors them on its run in between, so
 the record holds every selection the ledger does. Only FINISHED runs are
@@ -92,26 +92,39 @@ def _restore(cand: Candidate, missing: str) -> str:
     return actual
 
 
+def _train_runs(cfg: Config, plan_sha: str, arm: str) -> list:
+    """The arm's train runs under the plan, newest first."""
+    return store.search_runs(
+        cfg.experiment,
+        f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}' "
+        f"and tags.`{schema.TAG_PLAN}` = '{plan_sha}'",
+    )
+
+
+def first_finished(cfg: Config, plan_sha: str, arm: str):
+    """The arm's first FINISHED train run under the plan, or None: the planned
+    run, whose final weights are the arm's predetermined candidate. A run that
+    finished after it was trained again once the first was known; it is an
+    attempt on the report, never the candidate."""
+    finished = [r for r in _train_runs(cfg, plan_sha, arm) if r.info.status == "FINISHED"]
+    return finished[-1] if finished else None
+
+
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
-    """Each arm's newest FINISHED train run under the plan, as a candidate;
+    """Each arm's first FINISHED train run under the plan, as a candidate;
     refuses, naming every arm, when one has not finished."""
     found: dict[str, Candidate] = {}
     problems = []
     for arm in ARMS:
-        runs = store.search_runs(
-            cfg.experiment,
-            f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}' "
-            f"and tags.`{schema.TAG_PLAN}` = '{plan_sha}'",
-        )
-        finished = [r for r in runs if r.info.status == "FINISHED"]
-        if not finished:
+        run = first_finished(cfg, plan_sha, arm)
+        if run is None:
+            runs = _train_runs(cfg, plan_sha, arm)
             problems.append(
                 f"arm {arm} has not finished (its newest train run {runs[0].info.run_id} is {runs[0].info.status})"
                 if runs
                 else f"arm {arm} has no train run"
             )
             continue
-        run = finished[0]
         sha, path = run.data.tags.get(schema.TAG_CHECKPOINT_SHA), run.data.tags.get(schema.TAG_CHECKPOINT_PATH)
         if not sha or not path:
             problems.append(f"arm {arm}: train run {run.info.run_id} records no final checkpoint")

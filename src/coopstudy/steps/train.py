@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coopstudy import errors
-from coopstudy.commit import budget, require
+from coopstudy.commit import budget, candidates, require
 from coopstudy.config import ARMS, BOTH, COMPRESSED, CONTROL, Config, arms_of, set_arguments
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
@@ -283,7 +283,25 @@ def _checked(
         sha, req = require.training(cfg)
         rec.set_tags(req)
         guard(rec, cfg, sha, arms)
+        _refuse_finished(cfg, sha, arms)
         yield held, sha, req
+
+
+def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
+    """An arm trains once per plan: its first finished run's weights are its
+    predetermined candidate, so a run trained again, once the first one's
+    numbers are known, could only be a try for better ones."""
+    done = {arm: run for arm in ARMS if (run := candidates.first_finished(cfg, sha, arm)) is not None}
+    again = [arm for arm in arms if arm in done]
+    if not again:
+        return
+    said = "; ".join(f"arm {arm} finished under plan {sha[:12]} (train run {done[arm].info.run_id})" for arm in again)
+    todo = [arm for arm in ARMS if arm not in done]
+    nxt = f"train {cfg.arguments} --arm {todo[0]}" if len(todo) == 1 else f"select {cfg.arguments}"
+    raise UserError(
+        f"{said}: an arm trains once per plan, its final weights being its predetermined candidate; "
+        f"go on: `python -m coopstudy {nxt}`"
+    )
 
 
 def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int:
