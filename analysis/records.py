@@ -144,6 +144,11 @@ class Records:
     its status, oldest first: arm, run_id, status, active_seconds,
     complete_seconds (NaN when not logged), timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
+    evaluations: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per evaluate run of a model under the study's plan (else its key),
+    whatever its status, oldest first: model, run_id, status, weights (the
+    sha256 it scored), accuracy (NaN when not logged), scored (the run whose
+    tables the screens read)."""
     inputs: dict[str, Any] | None = None
     """What the prepare run that made the train runs' inputs says of them
     (INPUT_SECTIONS of its manifest, its run id and the inputs sha); None when
@@ -279,6 +284,21 @@ def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[
                 | {"timed": run.info.run_id == timed[arm]}
             )
     return pd.DataFrame(rows, columns=["arm", "run_id", "status", *REQUIRED_RUN_METRICS, "timed"])
+
+
+def _evaluations(experiment: str, key: StudyKey, plan_sha: str | None, scored: dict[str, str]) -> pd.DataFrame:
+    """Every evaluate run of each model under the study's plan (else under `key`), oldest first."""
+    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
+    rows = []
+    for model in MODELS:
+        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_EVALUATE}' and tags.`{schema.TAG_MODEL}` = '{model}'"
+        for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
+            rows.append({
+                "model": model, "run_id": run.info.run_id, "status": run.info.status,
+                "weights": run.data.tags.get(schema.TAG_CHECKPOINT_SHA, ""),
+                "accuracy": run.data.metrics.get(schema.M_ACCURACY, float("nan")), "scored": run.info.run_id == scored[model],
+            })  # fmt: skip
+    return pd.DataFrame(rows, columns=["model", "run_id", "status", "weights", "accuracy", "scored"])
 
 
 def _train_row(arm: str, run) -> dict[str, Any]:
@@ -424,6 +444,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     attempts = _attempts(cfg.experiment, key, plan_sha, {arm: run.info.run_id for arm, run in train_runs.items()})
 
     eval_ids = {model: runs[evaluate_role(model)].info.run_id for model in MODELS}
+    evaluations = _evaluations(cfg.experiment, key, plan_sha, eval_ids)
     cases = pd.concat([_case_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
     retention = pd.concat([_retention_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
     _check_paired(cases, "case_id", "final test")
@@ -437,6 +458,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         updates=updates,
         train=train,
         attempts=attempts,
+        evaluations=evaluations,
         cases=cases,
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),

@@ -153,6 +153,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
             },
             "runs": dict(sorted(records.runs.items())),
             "train_attempts": records.attempts.to_dict("records"),
+            "evaluate_attempts": records.evaluations.to_dict("records"),
             "candidates": dict(sorted(records.candidates.items())),
             "thresholds": cfg.screens.model_dump(),
             "verdicts": sc.verdicts(screens),
@@ -350,6 +351,35 @@ def attempts_line(report: dict[str, Any]) -> str:
     )
 
 
+def evaluation_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = [
+        [e["model"], e["run_id"], e["status"], e["weights"][:12], _count(e["accuracy"], 3), "yes" if e["scored"] else ""]
+        for e in report["evaluate_attempts"]
+    ]
+    return ["model", "evaluate run", "status", "weights", "accuracy", "read by the screens"], rows
+
+
+def evaluations_line(report: dict[str, Any]) -> str:
+    """How many evaluate runs each model had under the study, and whether
+    finished runs of the same weights agree (scoring is deterministic)."""
+    done = [e for e in report["evaluate_attempts"] if e["status"] == "FINISHED"]
+    counts = {model: sum(e["model"] == model for e in report["evaluate_attempts"]) for model in MODELS}
+    said = (
+        "Each model was evaluated once under this study."
+        if all(n == 1 for n in counts.values())
+        else f"Evaluate runs under this study: {', '.join(f'{m} {n}' for m, n in counts.items())}. "
+        "The screens read only the newest finished run of each model's committed weights; every other is listed here."
+    )
+    by_weights: dict[tuple[str, str], set[float]] = {}
+    for e in done:
+        if e["accuracy"] is not None:
+            by_weights.setdefault((e["model"], e["weights"]), set()).add(round(e["accuracy"], 9))
+    split = [f"{m} weights {w[:12]}: {', '.join(f'{a:.3f}' for a in sorted(acc))}" for (m, w), acc in by_weights.items() if len(acc) > 1]
+    if split:
+        said += f" Finished evaluate runs of the same weights disagree on accuracy ({'; '.join(split)}): scoring is not repeatable."
+    return said
+
+
 def _screen(report: dict[str, Any], name: str) -> dict[str, Any]:
     return next(s for s in report["screens"] if s["name"] == name)
 
@@ -466,6 +496,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         "## Train runs under this study",
         attempts_line(report),
         _md_table(*attempt_rows(report)),
+        "## Evaluate runs under this study",
+        evaluations_line(report),
+        _md_table(*evaluation_rows(report)),
         "## Runs",
         _md_table(*run_rows(report)),
     ]
@@ -617,6 +650,9 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         "<h2>Train runs under this study</h2>",
         f"<p>{html.escape(attempts_line(report))}</p>",
         _html_table(*attempt_rows(report)),
+        "<h2>Evaluate runs under this study</h2>",
+        f"<p>{html.escape(evaluations_line(report))}</p>",
+        _html_table(*evaluation_rows(report)),
         "<h2>Runs</h2>",
         _html_table(*run_rows(report)),
         "</body></html>",

@@ -246,7 +246,7 @@ def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):
     assert "after budget.deadline 2000-01-01T00:00:00+00:00" in done.stderr
     (parent,) = _runs("attributes.run_name = 'train-both-tiny'")
     assert parent.info.status == "FAILED" and parent.data.tags[schema.TAG_PLAN]
-    assert not _runs("attributes.run_name = 'train-compressed-tiny'")
+    assert not _runs("attributes.run_name = 'train-control-tiny'") and not _runs("attributes.run_name = 'train-compressed-tiny'")
 
 
 def test_the_deadline_is_the_projected_end(planned):

@@ -201,6 +201,7 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     assert report["candidates"] == CANDIDATE
     assert report["study"]["grouped_by"] == "config"
     assert report["study"]["differs_from_preset"] == {}
+    assert [(e["model"], e["scored"]) for e in report["evaluate_attempts"]] == [(m, True) for m in records.MODELS]
     assert report["study"]["key"] == store.config_sha256(tiny)
     by_name = {s["name"]: s for s in report["screens"]}
     assert by_name["accuracy_gain"]["estimate"] == pytest.approx(0.40)
@@ -454,6 +455,38 @@ def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(ca
     assert said in " ".join(out.split())
     md = (tmp_path / "report.md").read_text()
     assert said in md and f"| compressed | {faster} | FINISHED | 20.0 | 30.0 |  |" in md
+
+
+def test_every_evaluate_run_is_reported_and_runs_of_the_same_weights_that_disagree_are_said(capsys, tiny, tmp_path):
+    # Before, the newest finished evaluate run of each model was read and every other was nowhere:
+    # weights evaluated again until the screens passed showed one run, and scoring that does not repeat went unseen.
+    ids = make_study(tiny)
+    tags = {schema.TAG_MODEL: "compressed", schema.TAG_CHECKPOINT_SHA: CANDIDATE["compressed"]}
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags=tags) as rec:
+        rec.log_table(_case_rows([1.0] * 122 + [0.0] * 78), schema.ART_TEST_TABLE)
+        rec.log_table(_retention_rows(0.002), schema.ART_RETENTION_TABLE)
+        rec.log_metrics({schema.M_ACCURACY: 0.61})
+    again = rec.run_id
+    with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_EVALUATE, tiny, tags=tags):
+        raise RuntimeError("out of memory")
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    report = json.loads((tmp_path / schema.ART_REPORT_JSON).read_text())
+    rows = [(e["model"], e["run_id"] in (ids[f"evaluate/{e['model']}"], again), e["status"], e["accuracy"], e["scored"]) for e in report["evaluate_attempts"]]
+    assert rows == [
+        ("seed", True, "FINISHED", 0.2, True),
+        ("control", True, "FINISHED", 0.6, True),
+        ("compressed", True, "FINISHED", 0.6, False),
+        ("compressed", True, "FINISHED", 0.61, True),
+        ("compressed", False, "FAILED", None, False),
+    ]
+    said = ("Evaluate runs under this study: seed 1, control 1, compressed 3. The screens read only the newest finished run of "
+            "each model's committed weights; every other is listed here. Finished evaluate runs of the same weights disagree "
+            "on accuracy (compressed weights c1c1c1c1c1c1: 0.600, 0.610): scoring is not repeatable.")  # fmt: skip
+    assert said in " ".join(out.split())
+    md = (tmp_path / "report.md").read_text()
+    assert said in md and f"| compressed | {again} | FINISHED | c1c1c1c1c1c1 | 0.610 | yes |" in md
+    assert html.escape(said) in (tmp_path / schema.ART_REPORT_HTML).read_text()
 
 
 def test_train_runs_of_another_plan_of_the_same_config_are_not_this_studys_attempts(tiny):

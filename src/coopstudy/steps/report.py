@@ -81,6 +81,7 @@ def _print(report: dict[str, Any], folder: Path) -> None:
             beside.add_row(*row)
         console.print(beside)
     console.print(rep.attempts_line(report), soft_wrap=True)
+    console.print(rep.evaluations_line(report), soft_wrap=True)
     console.print(rep.preset_line(report), soft_wrap=True)
     v = report["verdicts"]
     console.print(f"quality: [bold]{v['quality'].upper()}[/]  speed: [bold]{v['speed'].upper()}[/]")
