@@ -4,8 +4,8 @@ Only reads: run search, metric histories, table artifacts and the manifest of
 the prepare run whose inputs the train runs required. One study is the
 set of runs that carry one plan sha (`--plan`) or, before a plan exists, one
 config sha. Of the selection and of each evaluated model the newest FINISHED
-run counts; of each train arm, the run whose weights the selection names (the
-newest FINISHED one where it names none). Every row of every table keeps the
+run counts; of each train arm, the run whose weights the selection names (a
+selection that names none is refused). Every row of every table keeps the
 run id it came from, so each number in the report traces back to its run.
 """
 
@@ -331,9 +331,9 @@ def _case_table(model: str, run_id: str) -> pd.DataFrame:
     unscored = ~scores.between(0.0, 1.0)  # NaN, a missing score or one out of range: a verifier that failed
     if unscored.any():
         # Counted as wrong, a broken verifier of the seed would read as the arms' gain.
-        first = frame["case_id"][unscored].iloc[0]
-        raise RefusedError(f"{what} run {run_id}: {int(unscored.sum())} case(s) have no score in [0, 1] (first: {first}, "
-                           f"score {frame['score'][unscored].iloc[0]!r}); evaluate again")  # fmt: skip
+        first = frame[unscored].iloc[0]
+        raise RefusedError(f"{what} run {run_id}: {int(unscored.sum())} case(s) have no score in [0, 1] (first: {first['case_id']}, "
+                           f"family {first['family']}, score {first['score']!r}): a verifier failed; mend it, then evaluate again")  # fmt: skip
     correct = scores >= 1.0
     if "correct" in frame.columns and not (frame["correct"].astype(bool) == correct).all():
         bad = int((frame["correct"].astype(bool) != correct).sum())

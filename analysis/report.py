@@ -21,6 +21,7 @@ from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
 from analysis.screens import evaluate_role
 from coopstudy import config as config_mod
 from coopstudy.config import ARMS, Config
+from coopstudy.errors import ConfigError
 from coopstudy.record import schema, store
 
 SCHEMA = 1
@@ -130,10 +131,15 @@ def _retention_nll(records: Records) -> dict[str, Any]:
     return out
 
 
-def _differs_from_preset(cfg: Config) -> dict[str, dict[str, str]]:
+def _differs_from_preset(cfg: Config) -> dict[str, dict[str, str]] | str:
     """The settings the study changed (`--set`) from its preset's file: a report
-    titled with a preset says which of the preset's numbers it did not run."""
-    own, preset = config_mod.flatten(cfg), config_mod.flatten(config_mod.load(cfg.preset))
+    titled with a preset says which of the preset's numbers it did not run.
+    Why they cannot be told, where the preset's file does not load alone."""
+    try:
+        preset = config_mod.flatten(config_mod.load(cfg.preset_argument))
+    except ConfigError as err:
+        return f"its file does not load alone ({err})"
+    own = config_mod.flatten(cfg)
     return {key: {"preset": preset.get(key, "(none)"), "study": value} for key, value in own.items() if preset.get(key) != value}
 
 
@@ -395,7 +401,8 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _title(report: dict[str, Any]) -> str:
     study = report["study"]
-    changed = len(study["differs_from_preset"])
+    differs = study["differs_from_preset"]
+    changed = len(differs) if isinstance(differs, dict) else 0
     own = f" with {changed} setting{'s' if changed != 1 else ''} of its own" if changed else ""
     return f"Study report: preset {study['preset']}{own}, {study['grouped_by']} sha {study['key'][:12]}"
 
@@ -404,6 +411,8 @@ def preset_line(report: dict[str, Any]) -> str:
     """Which of the preset's settings the study changed, in one sentence."""
     study = report["study"]
     differs = study["differs_from_preset"]
+    if isinstance(differs, str):
+        return f"Which settings differ from preset {study['preset']}'s cannot be told: {differs}."
     if not differs:
         return f"Every setting is preset {study['preset']}'s own."
     changes = "; ".join(f"{key} {d['preset']} -> {d['study']}" for key, d in sorted(differs.items()))

@@ -260,7 +260,7 @@ def _checkpoint_before_select(store: Store, tmp: Path) -> Tampered:
     folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])
     return Tampered(
         (f"arm control: the weights in {folder} hash to", f"train run {run.info.run_id} recorded"),
-        "`python -m coopstudy train --preset tiny --arm control`",
+        f"delete {folder} to have it brought back from that run's `checkpoint` artifact (an arm trains once per plan",
         restore=_flip_shared(folder / workspace.WEIGHTS_FILE),
     )
 
@@ -956,7 +956,7 @@ def test_checkpoints_deleted_before_select_come_back_from_the_record(trained_sto
             shutil.move(tmp_path / "kept" / arm, folder)
     assert done.returncode == 0, done.stderr[-3000:]
     for arm, run in trained.items():
-        said = f"study: train-{arm}: reused run {run.info.run_id} (config, sources and upstream unchanged; its checkpoint is gone from disk, and select brings it back from the run's artifact)"
+        said = f"study: train-{arm}: reused run {run.info.run_id} (the arm's first finished run under plan {run.data.tags[schema.TAG_PLAN][:12]}; its checkpoint is gone from disk, and select brings it back from the run's artifact)"
         assert said in done.stdout, done.stdout[-3000:]
     assert "study: select: running" in done.stdout
     assert back == {arm: r.data.tags[schema.TAG_CHECKPOINT_SHA] for arm, r in trained.items()}

@@ -256,26 +256,33 @@ def test_a_dead_jobs_run_on_a_server_that_does_not_answer_is_ended_by_remote_del
 
     client = store.client()
     exp = store.experiment_id("coopstudy")
-    dead, ended = (client.create_run(exp).info.run_id for _ in range(2))
+    dead, ended, queued = (client.create_run(exp).info.run_id for _ in range(3))
     away = f"http://127.0.0.1:{workspace.free_port()}"
+    # The dead job's own records of one run wait for the server: its end must go behind them.
+    box = outbox.Outbox(queued, away, client)
+    box.keep({"op": "batch", "metrics": [["loss", 1.5, 0, 1]]}, for_deliver=True)
     path = workspace.subdir("locks") / f"{socket.gethostname()}-away.lock"
-    path.write_text(json.dumps({"pid": 2**22 + 1, "holder": "a job killed", "since": 0.0, "runs": [dead, ended], "tracking_uri": away}))
+    info = {"pid": 2**22 + 1, "holder": "a job killed", "since": 0.0, "runs": [dead, ended, queued], "tracking_uri": away}
+    path.write_text(json.dumps(info))
     with lock.device_lock(["away"], "the next job"):
         pass
     (said,) = capsys.readouterr().err.strip().splitlines()
     assert said.endswith(
-        f"its runs {dead}, {ended} stay RUNNING until python -m coopstudy remote deliver {dead} {ended} ends them "
-        f"(the server {away} does not answer (connection refused)); taking the device"
+        f"its runs {dead}, {ended} stay RUNNING until python -m coopstudy remote deliver {dead} {ended} sends their end "
+        f"(the server {away} does not answer (connection refused)); its run {queued} stays RUNNING until python -m coopstudy "
+        f"remote deliver {queued} sends its end (its records wait in {box.path}); taking the device"
     ), said
     assert path.read_text() == ""
     # The server comes back (here: the store the runs are in); one of the runs ended meanwhile.
     client.set_terminated(ended, "FINISHED")
-    done = subprocess.run([sys.executable, "-m", "coopstudy", "remote", "deliver", dead, ended, "--tracking-uri", store.tracking_uri()],
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "remote", "deliver", dead, ended, queued, "--tracking-uri", store.tracking_uri()],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "the dead run's end" in done.stderr
-    run = client.get_run(dead)
-    assert run.info.status == "KILLED" and "died without releasing device away" in run.data.tags[schema.TAG_ERROR]
+    for run_id in (dead, queued):
+        run = client.get_run(run_id)
+        assert run.info.status == "KILLED" and "died without releasing device away" in run.data.tags[schema.TAG_ERROR]
+    assert [m.value for m in client.get_metric_history(queued, "loss")] == [1.5]
     assert client.get_run(ended).info.status == "FINISHED"
     assert not list(outbox.outbox_dir().glob("*.jsonl"))
 

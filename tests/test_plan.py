@@ -47,6 +47,14 @@ def _runs(filter_string: str) -> list:
     return client.search_runs([client.get_experiment_by_name("coopstudy").experiment_id], filter_string)
 
 
+TRAIN_RUNS = f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}'"
+
+
+def _train_run_ids() -> set[str]:
+    """The train runs so far: the module's tests share one store."""
+    return {r.info.run_id for r in _runs(TRAIN_RUNS)}
+
+
 def _receipt(name: str) -> dict:
     return json.loads((receipts.probe_dir(config.load("tiny")) / name).read_text())
 
@@ -196,8 +204,8 @@ def test_the_next_stage_refuses_after_a_deciding_source_changes_naming_it(planne
 def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(planned):
     cfg = config.load("tiny")
     # $1 a second: the projection in dollars is the projection in seconds. An
-    # allocation of 1.2 projections lets one control run start, and refuses a
-    # second one whatever the first really spent beyond a fifth of it.
+    # allocation of 1.2 control projections lets the control run start, and
+    # refuses the compressed arm (two devices) after it, counting what control spent.
     projected = budget.projection(cfg, _receipt("control-mb4-default.json"))["seconds"]
     priced = ("--set", "budget.hourly_price_usd=3600", f"budget.allocation_usd={1.2 * projected:.3f}")
     committed = run_cli("plan", "--preset", "tiny", *priced)
@@ -212,11 +220,11 @@ def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(pla
     assert m[schema.M_PROJECTED_SECONDS] == pytest.approx(projected) and m[schema.M_SPENT_BEFORE_USD] == 0
     assert m[schema.M_COST_USD] == pytest.approx(m[schema.M_DEVICE_SECONDS])
 
-    second = run_cli("train", "--preset", "tiny", "--arm", "control", *priced)
+    second = run_cli("train", "--preset", "tiny", "--arm", "compressed", *priced)
     assert second.returncode == 2
-    assert "budget: training control would pass the allocation" in second.stderr
+    assert "budget: training compressed would pass the allocation" in second.stderr
     assert f"spent ${m[schema.M_COST_USD]:.2f} (probes $0.00, 1 earlier train run(s) of plan {sha[:12]})" in second.stderr, second.stderr
-    refused = _runs(f"attributes.run_name = 'train-control-tiny' and attributes.status = 'FAILED' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
+    refused = _runs(f"attributes.run_name = 'train-compressed-tiny' and attributes.status = 'FAILED' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
     assert refused.data.metrics[schema.M_SPENT_BEFORE_USD] == pytest.approx(m[schema.M_COST_USD])
     assert schema.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
 
@@ -226,13 +234,13 @@ def test_an_arm_finished_under_the_plan_is_not_trained_again(planned, tiny_seed)
     # trained until its speed screen passed, and the first run's weights were no candidate.
     cfg = config.load("tiny")
     first, _ = fake_train_run(cfg, "control", tiny_seed.path, plan_sha=planned[0])
+    before = _train_run_ids()
     done = run_cli("train", "--preset", "tiny", "--arm", "both")
     said = (f"arm control finished under plan {planned[0][:12]} (train run {first}): an arm trains once per plan, its final "
             "weights being its predetermined candidate; go on: `python -m coopstudy train --preset tiny --arm compressed`")  # fmt: skip
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [f"coopstudy train: error: {said}"])
-    refused = _runs("attributes.run_name = 'train-both-tiny'")[0]
-    assert refused.info.status == "FAILED" and said in refused.data.tags[schema.TAG_ERROR]
-    assert not _runs("attributes.run_name = 'train-compressed-tiny'")  # nothing was started
+    (refused,) = [r for r in _runs(TRAIN_RUNS) if r.info.run_id not in before]  # no arm run was opened
+    assert refused.info.run_name == "train-both-tiny" and refused.info.status == "FAILED" and refused.data.tags[schema.TAG_ERROR] == said
     assert candidates.first_finished(cfg, planned[0], "control").info.run_id == first
 
 
@@ -240,13 +248,13 @@ def test_the_deadline_guard_refuses_both_arms_before_the_first_starts(planned):
     past = ("--set", 'budget.deadline="2000-01-01T00:00:00+00:00"')
     committed = run_cli("plan", "--preset", "tiny", *past)
     assert committed.returncode == 0, committed.stderr[-3000:]
+    before = _train_run_ids()
     done = run_cli("train", "--preset", "tiny", "--arm", "both", *past)
     assert done.returncode == 2
     assert "deadline: training control then compressed is projected to take" in done.stderr
     assert "after budget.deadline 2000-01-01T00:00:00+00:00" in done.stderr
-    (parent,) = _runs("attributes.run_name = 'train-both-tiny'")
-    assert parent.info.status == "FAILED" and parent.data.tags[schema.TAG_PLAN]
-    assert not _runs("attributes.run_name = 'train-control-tiny'") and not _runs("attributes.run_name = 'train-compressed-tiny'")
+    (parent,) = [r for r in _runs(TRAIN_RUNS) if r.info.run_id not in before]  # no arm run was opened
+    assert parent.info.run_name == "train-both-tiny" and parent.info.status == "FAILED" and parent.data.tags[schema.TAG_PLAN]
 
 
 def test_the_deadline_is_the_projected_end(planned):

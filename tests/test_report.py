@@ -309,7 +309,7 @@ def test_failed_screens_are_a_result_not_an_error(capsys, tiny, tmp_path):
 def test_a_study_with_settings_of_its_own_says_which_beside_the_presets_name(capsys, tmp_path):
     # Before, a report titled "preset P" showed only a config sha: a microbatch or an update
     # count of the study's own (`--set`) was nowhere on it.
-    changed = ["arms.control.microbatch=2", "train.lr=0.002"]
+    changed = ["arms.control.microbatch=2", "train.lr=0.002", "data.families=[products, gcd, letter_counting, chain_sum]"]
     make_study(config.load("tiny", changed))
     rc, out, err = _report(capsys, "--out", str(tmp_path), *config.set_arguments(changed))
     assert rc == 0, err
@@ -318,12 +318,26 @@ def test_a_study_with_settings_of_its_own_says_which_beside_the_presets_name(cap
     assert report["study"]["differs_from_preset"] == {
         "arms.control.microbatch": {"preset": tiny["arms.control.microbatch"], "study": "2"},
         "train.lr": {"preset": tiny["train.lr"], "study": "0.002"},
+        "data.families": {"preset": tiny["data.families"], "study": "[products, gcd, letter_counting, chain_sum]"},
     }
-    said = f"Settings that differ from preset tiny's file (--set): arms.control.microbatch {tiny['arms.control.microbatch']} -> 2; train.lr {tiny['train.lr']} -> 0.002."
+    said = (f"Settings that differ from preset tiny's file (--set): arms.control.microbatch {tiny['arms.control.microbatch']} -> 2; "
+            f"data.families {tiny['data.families']} -> [products, gcd, letter_counting, chain_sum]; train.lr {tiny['train.lr']} -> 0.002.")
     md = (tmp_path / schema.ART_REPORT_MD).read_text()
-    assert md.startswith("# Study report: preset tiny with 2 settings of its own, config sha ") and said in md
+    assert md.startswith("# Study report: preset tiny with 3 settings of its own, config sha ") and said in md
     assert html.escape(said) in (tmp_path / schema.ART_REPORT_HTML).read_text()
     assert said in " ".join(out.split())
+
+
+def test_a_preset_given_as_a_file_is_compared_with_that_file(capsys, tmp_path):
+    # Before, the report looked the preset's name up in configs/ and refused ("unknown preset").
+    path = tmp_path / "mytiny.yaml"
+    path.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("tasks_per_family: 12", "tasks_per_family: 10"))
+    make_study(config.load(str(path)))
+    rc = cli_main.main(["report", "--preset", str(path), "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["study"]["differs_from_preset"] == {}
+    assert "Every setting is preset mytiny's own." in " ".join(out.split())
 
 
 def test_missing_role_is_refused_by_name(capsys, tiny):
@@ -427,7 +441,7 @@ def test_a_case_without_a_score_in_0_1_is_refused_not_counted_wrong(tiny, score)
     with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_MODEL: "seed", schema.TAG_CHECKPOINT_SHA: SEED}) as rec:
         rec.log_table(rows, schema.ART_TEST_TABLE)
         rec.log_table(_retention_rows(0.0), schema.ART_RETENTION_TABLE)
-    with pytest.raises(RefusedError, match=f"evaluate \\(model seed\\) run {rec.run_id}: 1 case\\(s\\) have no score in \\[0, 1\\] \\(first: case-0007, score"):
+    with pytest.raises(RefusedError, match=f"evaluate \\(model seed\\) run {rec.run_id}: 1 case\\(s\\) have no score in \\[0, 1\\] \\(first: case-0007, family \\w+, score .*\\): a verifier failed; mend it"):
         records.load(tiny)
 
 

@@ -194,7 +194,8 @@ def test_select_takes_the_first_finished_run_of_the_plan(cfg, tiny_seed):
     assert found["compressed"].train_run_id == compressed_id
 
 
-def test_select_refuses_a_train_run_without_a_checkpoint(cfg, trained):
+def test_select_refuses_a_train_run_without_a_checkpoint(cfg, tiny_seed, planned):
+    fake_train_run(cfg, "control", tiny_seed.path)
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="compressed", log_config=False, tags={schema.TAG_PLAN: PLAN}) as rec:
         pass
     with pytest.raises(RefusedError, match=f"arm compressed: train run {rec.run_id} records no final checkpoint"):

@@ -126,6 +126,30 @@ def test_second_study_reuses_every_step(first, copy):
     assert len(copy.runs("train")) == before
 
 
+def test_a_change_that_binds_no_number_trains_and_selects_nothing_again(first, copy):
+    # steps/plan.py binds no number, so the plan stays the one in force, but every later
+    # step's key changes with it. Before, the study then trained both arms again (and select
+    # took the newest runs); train now refuses an arm finished under the plan, so the study
+    # takes the plan's runs, whatever key they carry.
+    trained = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train")}
+    source = copy.root / "src" / "coopstudy" / "steps" / "plan.py"
+    original = source.read_text()
+    source.write_text(original + "\n# touched\n")
+    try:
+        again = copy.coopstudy("study", "--preset", "tiny", "--through", "select")
+    finally:
+        source.write_text(original)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _steps(again.stdout, "running") == ["plan"]
+    assert _steps(again.stdout, "reused") == ["prepare", "verify", "probe", "train-control", "train-compressed", "select"]
+    plan = trained["control"].data.tags[schema.TAG_PLAN]
+    for arm, run in trained.items():
+        assert f"study: train-{arm}: reused run {run.info.run_id} (the arm's first finished run under plan {plan[:12]})" in again.stdout
+    (selected,) = copy.runs("select")
+    assert f"study: select: reused run {selected.info.run_id} (the selection of plan {plan[:12]})" in again.stdout
+    assert {r.data.tags[schema.TAG_ARM]: r.info.run_id for r in copy.runs("train")} == {a: r.info.run_id for a, r in trained.items()}
+
+
 def test_checkpoints_gone_after_select_train_nothing_again(first, copy, tmp_path):
     # A selection is made once per plan: training an arm again could replace
     # no candidate, so a study whose checkpoints were cleaned up reuses every step.
@@ -140,7 +164,7 @@ def test_checkpoints_gone_after_select_train_nothing_again(first, copy, tmp_path
     assert again.returncode == 0, again.stderr[-3000:]
     assert _steps(again.stdout, "reused") == list(study.STEP_NAMES)
     for run in trained:
-        said = f"reused run {run.info.run_id} (config, sources and upstream unchanged; its checkpoint is gone from disk, and select already took it)"
+        said = f"reused run {run.info.run_id} (the arm's first finished run under plan {run.data.tags[schema.TAG_PLAN][:12]}; its checkpoint is gone from disk, and select already took it)"
         assert said in again.stdout, again.stdout[-3000:]
     assert len(copy.runs("train")) == len(trained)
 

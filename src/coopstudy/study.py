@@ -25,7 +25,7 @@ from typing import Any
 
 from coopstudy import steps as steps_pkg
 from coopstudy import workspace
-from coopstudy.commit import require, sources
+from coopstudy.commit import candidates, require, sources
 from coopstudy.config import ARMS, BOTH, Config, arms_of
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
@@ -51,6 +51,12 @@ class Step:
     still_valid: Callable[["Checks", Any], str | None] | None = field(default=None, compare=False)
     """Raises a UserError when what the step's run left behind no longer verifies;
     may return a note on what it found, said beside the reuse."""
+    planned: Callable[["Checks"], tuple[Any, str] | None] | None = field(default=None, compare=False)
+    """A step whose run is the plan's, not its key's (None: its key's), since
+    it is made once per plan whatever key its run carries: (that run, what it
+    is, in words), or None while there is none. A train step's is the arm's
+    first FINISHED run under the plan in force; select's, the run that
+    committed the plan's candidates."""
 
 
 @dataclass
@@ -102,8 +108,8 @@ def _checkpoint_ok(checks: Checks, run: Any) -> str | None:
     weights = Path(folder or "/nonexistent") / workspace.WEIGHTS_FILE
     if weights.is_file() and workspace.sha256_file(weights) == run.data.tags.get(schema.TAG_CHECKPOINT_SHA):
         return None
-    # A selection is made once per plan: training again could replace no
-    # candidate, only take the time of a whole arm. Evaluate, the one step
+    # An arm trains once per plan, and a selection is made once: what select
+    # took, or can bring back, needs no folder here. Evaluate, the one step
     # still to read the weights, checks them itself.
     state = "changed" if weights.is_file() else "gone from disk"
     taken = require.selected_train_runs(checks.plan_in_force()).get(run.data.tags.get(schema.TAG_ARM, ""))
@@ -112,6 +118,27 @@ def _checkpoint_ok(checks: Checks, run: Any) -> str | None:
     if not weights.is_file() and _holds_checkpoint(run.info.run_id):
         return "its checkpoint is gone from disk, and select brings it back from the run's artifact"
     raise UserError(f"the checkpoint of run {run.info.run_id} is {state}")
+
+
+def _planned_train_run(arm: str) -> Callable[[Checks], tuple[Any, str] | None]:
+    def planned(checks: Checks) -> tuple[Any, str] | None:
+        plan = checks.plan_in_force()
+        run = candidates.first_finished(checks.cfg, plan, arm)
+        return None if run is None else (run, f"the arm's first finished run under plan {plan[:12]}")
+
+    return planned
+
+
+def _planned_select_run(checks: Checks) -> tuple[Any, str] | None:
+    plan = checks.plan_in_force()
+    run_id = require.selecting_run(plan)
+    if run_id is None:
+        return None
+    try:
+        run = store.client().get_run(run_id)
+    except Exception:  # noqa: BLE001 - a selection whose run this record lacks: select says so itself
+        return None
+    return run, f"the selection of plan {plan[:12]}"
 
 
 def _holds_checkpoint(run_id: str) -> bool:
@@ -134,8 +161,8 @@ STEPS: tuple[Step, ...] = (
     Step(VERIFY, VERIFY, still_valid=_gate_ok),
     Step(PROBE, PROBE, (PREPARE, VERIFY), still_valid=_probes_ok),
     Step(PLAN, PLAN, (PREPARE, VERIFY, PROBE), still_valid=_plan_ok),
-    *(Step(train_step(arm), TRAIN, (PLAN,), ("--arm", arm), _checkpoint_ok) for arm in ARMS),
-    Step(SELECT, SELECT, tuple(train_step(arm) for arm in ARMS), still_valid=_under_plan_ok),
+    *(Step(train_step(arm), TRAIN, (PLAN,), ("--arm", arm), _checkpoint_ok, _planned_train_run(arm)) for arm in ARMS),
+    Step(SELECT, SELECT, tuple(train_step(arm) for arm in ARMS), still_valid=_under_plan_ok, planned=_planned_select_run),
     Step(EVALUATE, EVALUATE, (SELECT,), still_valid=_under_plan_ok),
     Step(REPORT, REPORT, (EVALUATE,), still_valid=_under_plan_ok),
 )
@@ -190,8 +217,10 @@ def _finished_under(cfg: Config, key: str) -> list[Any]:
 
 
 def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str | None]:
-    """(the run a study reuses, its check's note or None), or (None, why the
-    newest finished run under the key is not reused; None where there is none)."""
+    """(the run a study reuses, why), or (None, why the newest finished run
+    under the key is not reused; None where there is none)."""
+    if step.planned is not None:
+        return _planned_run(step, checks, key)
     runs = _finished_under(checks.cfg, key)
     if not runs:
         return None, None
@@ -200,7 +229,28 @@ def _reusable_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str
     except UserError as err:
         # Not its hint: the study is running the command it names.
         return None, err.reason
-    return runs[0].info.run_id, note
+    return runs[0].info.run_id, "config, sources and upstream unchanged" + (f"; {note}" if note else "")
+
+
+def _planned_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str | None]:
+    """A train step's reuse: the plan's run of the arm, or a refusal when its
+    weights are lost, since train would not run the arm again under the plan."""
+    try:
+        plan = checks.plan_in_force()
+    except UserError as err:
+        return None, err.reason
+    found = step.planned(checks)
+    if found is None:
+        keyed = _finished_under(checks.cfg, key)
+        return None, f"run {keyed[0].info.run_id} ran under another plan than the one in force" if keyed else None
+    run, what = found
+    try:
+        note = step.still_valid(checks, run) if step.still_valid else None
+    except UserError as err:
+        raise UserError(
+            f"{step.name}: {err.reason}, and it is {what}, made once per plan: put the folder back from a copy, or commit another plan"
+        ) from None
+    return run.info.run_id, what + (f"; {note}" if note else "")
 
 
 def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[str | None, str]:
@@ -221,13 +271,21 @@ def standalone_keys(cfg: Config, stage: str, args: argparse.Namespace) -> dict[s
             continue
         # A key says "the study's step, after these runs": not so when an
         # upstream step has no run a study would reuse under its key.
-        if not all(_reusable_run(STEPS[STEP_NAMES.index(up)], checks, keys[up])[0] for up in step.after):
+        if not all(_reused_quietly(STEPS[STEP_NAMES.index(up)], checks, keys[up]) for up in step.after):
             continue
         own = {k: v for k, v in vars(_step_args(step, args)).items() if k != "then"}
         differ = {k for k, v in own.items() if getattr(args, k, None) != v}
         if not differ or (differ == {"arm"} and args.arm == BOTH):
             found[own.get("arm")] = keys[step.name]
     return found
+
+
+def _reused_quietly(step: Step, checks: Checks, key: str) -> bool:
+    """Whether a study would reuse a run for `step`; a step that would stop the study is not reused."""
+    try:
+        return _reusable_run(step, checks, key)[0] is not None
+    except UserError:
+        return False
 
 
 @contextlib.contextmanager
@@ -265,9 +323,10 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
     when = cfg.budget.deadline
     if when is None or when > datetime.now(timezone.utc):
         return
-    # A finished train run under the key is most likely reused; where it is not
-    # (its checkpoint changed, the plan committed again), train still refuses.
-    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not _finished_under(cfg, keys[s.name])]
+    # An arm finished under the plan in force is reused; where the plan is
+    # committed again meanwhile (a probe rerun), train still refuses.
+    checks = Checks(cfg)
+    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not _reused_quietly(s, checks, keys[s.name])]
     if to_train:
         raise UserError(
             f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_train)} would train after it; "
@@ -298,7 +357,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             key = keys[step.name]
             reused, said = _reusable_run(step, checks, key)
             if reused:
-                print(f"study: {step.name}: reused run {reused} (config, sources and upstream unchanged{f'; {said}' if said else ''})", flush=True)
+                print(f"study: {step.name}: reused run {reused} ({said})", flush=True)
                 continue
             print(f"study: {step.name}: running{f' (not reused: {said})' if said else ''}", flush=True)
             step_args = _step_args(step, args)

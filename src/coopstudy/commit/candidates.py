@@ -131,11 +131,10 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
             continue
         found[arm] = Candidate(arm, sha, Path(path), run.info.run_id)
     if problems:
-        todo = [arm for arm in ARMS if arm not in found]
-        raise RefusedError(
-            f"{'; '.join(problems)} (plan {plan_sha[:12]})",
-            hint=f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else BOTH}`",
-        )
+        # An arm whose finished run recorded no checkpoint cannot train again under the plan.
+        todo = [arm for arm in ARMS if first_finished(cfg, plan_sha, arm) is None]
+        hint = f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else BOTH}`" if todo else None
+        raise RefusedError(f"{'; '.join(problems)} (plan {plan_sha[:12]})", hint=hint)
     return found
 
 
@@ -169,8 +168,8 @@ def final_candidates(cfg: Config, plan_sha: str, ledger: ledger_mod.Ledger) -> d
             raise RefusedError(
                 f"arm {arm}: the weights in {cand.path} hash to {actual[:12]}, but train run {cand.train_run_id} "
                 f"recorded {cand.sha256[:12]}: the checkpoint changed after training",
-                hint=f"delete {cand.path} to have it brought back from that run's `{schema.ART_CHECKPOINT}` artifact, "
-                f"or train again (`python -m coopstudy train {cfg.arguments} --arm {arm}`)",
+                hint=f"delete {cand.path} to have it brought back from that run's `{schema.ART_CHECKPOINT}` artifact "
+                "(an arm trains once per plan: without it, this plan has no candidate for the arm)",
             )
     return found
 

@@ -204,6 +204,12 @@ def selected_train_runs(plan_sha: str) -> dict[str, str]:
     return {arm: e.details["train_run_id"] for arm, e in _selected(plan_sha, ledger.Ledger()).items()}
 
 
+def selecting_run(plan_sha: str) -> str | None:
+    """The select run that committed the plan's candidates (None before select)."""
+    entries = _selected(plan_sha, ledger.Ledger())
+    return next((e.details.get("select_run_id") for e in entries.values()), None)
+
+
 def selection(cfg: Config, plan_sha: str, book: ledger.Ledger) -> candidates.Selection:
     """The committed candidates, after checking that their weights on disk still hash to them."""
     entries = _selected(plan_sha, book)

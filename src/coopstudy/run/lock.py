@@ -149,39 +149,46 @@ def _end_dead_runs(info: dict[str, Any], reason: str) -> list[str]:
     record = outbox.dead_run_end(reason, reason[: writer.MAX_TAG_CHARS])
     ended: list[str] = []
     waiting: dict[str, list[str]] = {}
+    """Why -> the runs whose end waits in their outbox for that."""
     said: list[str] = []
+    away: str | None = None
+    """Why the store did not take the first end: the rest wait without asking it again."""
     try:
         client = store.client(uri, where="the dead job's lock") if uri else store.client()
         uri = uri or store.tracking_uri()
         if store.is_http(uri):
             store.use_http_defaults()
-        for run_id in runs:
-            box = outbox.Outbox(run_id, uri, client)
-            if box.path.exists():
-                # Its own records wait for the store: the end goes behind them, in order.
-                box.keep(record, for_deliver=True)
-                waiting.setdefault(f"records of it wait in {box.path}", []).append(run_id)
-                continue
+    except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices
+        return [f"could not end its runs {', '.join(runs)}: {errors.first_line(err)[:300]}"]
+    for run_id in runs:
+        box = outbox.Outbox(run_id, uri, client)
+        # Its own records waiting for the store: the end goes behind them, in order.
+        why = f"its records wait in {box.path}" if box.path.exists() else away
+        if why is None:
             try:
                 if outbox.end_dead_run(client, run_id, record):
                     ended.append(run_id)
+                continue
             except Exception as err:  # noqa: BLE001 - said, and the next run is tried
                 if outbox.is_outage(err):
-                    why = f"the server {uri} does not answer ({outbox.reason(err)})"
+                    why = away = f"the server {uri} does not answer ({outbox.reason(err)})"
                 elif store.on_full_disk(err):
-                    why = store.full_disk_said(uri)
+                    why = away = store.full_disk_said(uri)
                 else:
                     said.append(f"could not end its run {run_id} in {uri}: {errors.first_line(err)[:300]}")
                     continue
-                box.keep(record, for_deliver=True)
-                waiting.setdefault(why, []).append(run_id)
-    except Exception as err:  # noqa: BLE001 - the record's trouble must not keep the devices
-        said.append(f"could not end its runs {', '.join(runs)}: {errors.first_line(err)[:300]}")
+        try:
+            box.keep(record, for_deliver=True)
+        except OSError as err:
+            said.append(f"could not keep the end of its run {run_id} in {box.path} ({err.strerror or err}): it stays RUNNING ({why})")
+            continue
+        waiting.setdefault(why, []).append(run_id)
     if ended:
         said.insert(0, f"ended its run{'s' if len(ended) > 1 else ''} {', '.join(ended)} as KILLED")
     for why, ids in waiting.items():
-        said.append(f"its run{'s' if len(ids) > 1 else ''} {', '.join(ids)} stay{'' if len(ids) > 1 else 's'} RUNNING "
-                    f"until python -m coopstudy remote deliver {' '.join(ids)} ends {'them' if len(ids) > 1 else 'it'} ({why})")  # fmt: skip
+        many = len(ids) > 1
+        said.append(f"its run{'s' if many else ''} {', '.join(ids)} stay{'' if many else 's'} RUNNING until python -m coopstudy "
+                    f"remote deliver {' '.join(ids)} sends {'their' if many else 'its'} end ({why})")  # fmt: skip
     return said
 
 

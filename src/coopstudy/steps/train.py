@@ -282,8 +282,9 @@ def _checked(
         held.note(run_id=rec.run_id)
         sha, req = require.training(cfg)
         rec.set_tags(req)
-        guard(rec, cfg, sha, arms)
+        # Before the budget: a finished arm is refused whatever the allocation holds.
         _refuse_finished(cfg, sha, arms)
+        guard(rec, cfg, sha, arms)
         yield held, sha, req
 
 
@@ -297,7 +298,8 @@ def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
         return
     said = "; ".join(f"arm {arm} finished under plan {sha[:12]} (train run {done[arm].info.run_id})" for arm in again)
     todo = [arm for arm in ARMS if arm not in done]
-    nxt = f"train {cfg.arguments} --arm {todo[0]}" if len(todo) == 1 else f"select {cfg.arguments}"
+    step = "evaluate" if require.selected_train_runs(sha) else "select"
+    nxt = f"train {cfg.arguments} --arm {todo[0]}" if len(todo) == 1 else f"{step} {cfg.arguments}"
     raise UserError(
         f"{said}: an arm trains once per plan, its final weights being its predetermined candidate; "
         f"go on: `python -m coopstudy {nxt}`"
