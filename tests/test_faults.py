@@ -852,8 +852,11 @@ def test_node_1_refuses_a_run_it_cannot_join_in_one_line_and_says_so_on_that_run
     missing = "0" * 32
     assert node_1(missing) == (f"coopstudy train: error: --run-id {missing}: no such run in the record {store.tracking_uri}; "
                                "copy the id node 0 printed")  # fmt: skip
+    killed = train_run("KILLED", tiny)
+    assert node_1(killed) == f"coopstudy train: error: --run-id {killed} is KILLED, not RUNNING: start node 0 again and join the run it prints"
     finished = train_run("FINISHED", tiny)
-    said = f"--run-id {finished} is FINISHED, not RUNNING: start node 0 again and join the run it prints"
+    # Not "start node 0 again": node 0 refuses an arm that finished under its plan.
+    said = f"--run-id {finished} is FINISHED: the arm has trained under its plan (an arm trains once per plan); nothing to join"
     assert node_1(finished) == f"coopstudy train: error: {said}"
     # Kept on the run as node 1's ranks' errors, where node 0's failure reads them.
     assert client.get_run(finished).data.tags[f"{schema.TAG_WORKER_ERROR_PREFIX}1"] == f"UserError: node 1: {said}"
@@ -961,6 +964,24 @@ def test_checkpoints_deleted_before_select_come_back_from_the_record(trained_sto
     assert "study: select: running" in done.stdout
     assert back == {arm: r.data.tags[schema.TAG_CHECKPOINT_SHA] for arm, r in trained.items()}
     assert {e.details["arm"]: e.digest for e in _entries(store) if e.kind == ledger.CANDIDATE} == back
+
+
+def test_a_checkpoint_changed_before_select_stops_the_study_naming_the_way_back(trained_store, tmp_path):
+    # Training the arm again could not replace its candidate (an arm trains once per plan):
+    # the study stops and says how the planned weights come back, not "running" train.
+    store = trained_store.copy(tmp_path / "store")
+    (run,) = _runs(store, "attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED'")
+    folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])
+    restore = _flip_shared(folder / workspace.WEIGHTS_FILE)  # the module's trained checkpoint: put back below
+    try:
+        done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
+    finally:
+        restore()
+    plan = run.data.tags[schema.TAG_PLAN]
+    said = (f"coopstudy study: error: train-control: the checkpoint of run {run.info.run_id} is changed: delete {folder}, and "
+            f"select brings it back from the run's artifact (the arm's first finished run under plan {plan[:12]}, made once per plan)")  # fmt: skip
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
+    assert len(_runs(store, "attributes.run_name = 'train-control-tiny'")) == 1  # nothing trained again
 
 
 # --- 4. bad input ----------------------------------------------------------

@@ -4,9 +4,12 @@ module that composes the steps (they never import each other).
 A step is reused when a FINISHED run with the same step key exists and what
 it left behind still verifies; the key hashes the resolved config, the step's
 own source files and the keys of the steps it depends on, so changed code or
-a rerun upstream step reruns it and everything after it. A step started by
-itself with the study's arguments carries the same key (standalone_keys), so
-steps run one by one and a study make one record.
+a rerun upstream step reruns it and everything after it. The steps made once
+per plan are the plan's, whatever key their runs carry (Step.planned): each
+arm's first finished train run under the plan in force, and the plan's
+selection; where such a run's weights are lost, the study stops. A step
+started by itself with the study's arguments carries the same key
+(standalone_keys), so steps run one by one and a study make one record.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ DESCRIPTION = """\
 Runs prepare -> verify -> probe -> plan -> train control -> train compressed -> select
 -> evaluate -> report, each as its own MLflow run under one parent study run.
 A finished step whose config, sources and upstream steps are unchanged is
-reused (its run id is shown); otherwise it runs again.
+reused (its run id is shown); otherwise it runs again. Training and select
+are made once per plan: an arm's first finished run under the plan in force,
+and the plan's selection, are reused whatever changed since.
 
 Reads: the preset; what each step reads (see its own --help); the record's
 finished runs of each step, to tell which can be reused.
@@ -115,9 +120,12 @@ def _checkpoint_ok(checks: Checks, run: Any) -> str | None:
     taken = require.selected_train_runs(checks.plan_in_force()).get(run.data.tags.get(schema.TAG_ARM, ""))
     if taken is not None:
         return f"its checkpoint is {state}, and select already took {'it' if taken == run.info.run_id else f'run {taken}'}"
-    if not weights.is_file() and _holds_checkpoint(run.info.run_id):
+    held = _holds_checkpoint(run.info.run_id)
+    if not weights.is_file() and held:
         return "its checkpoint is gone from disk, and select brings it back from the run's artifact"
-    raise UserError(f"the checkpoint of run {run.info.run_id} is {state}")
+    if held:
+        raise UserError(f"the checkpoint of run {run.info.run_id} is changed: delete {folder}, and select brings it back from the run's artifact")
+    raise UserError(f"the checkpoint of run {run.info.run_id} is {state} and the run holds no copy: put {folder} back from one")
 
 
 def _planned_train_run(arm: str) -> Callable[[Checks], tuple[Any, str] | None]:
@@ -247,9 +255,8 @@ def _planned_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str 
     try:
         note = step.still_valid(checks, run) if step.still_valid else None
     except UserError as err:
-        raise UserError(
-            f"{step.name}: {err.reason}, and it is {what}, made once per plan: put the folder back from a copy, or commit another plan"
-        ) from None
+        # Running the step again could not replace it: the study stops.
+        raise UserError(f"{step.name}: {err.reason} ({what}, made once per plan)") from None
     return run.info.run_id, what + (f"; {note}" if note else "")
 
 
@@ -317,16 +324,16 @@ def _step_args(step: Step, study: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, str]) -> None:
+def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, str], checks: Checks) -> None:
     """Before any step: train refuses to start after budget.deadline, so a
     study that would train then refuses now, not after the probes' minutes."""
     when = cfg.budget.deadline
     if when is None or when > datetime.now(timezone.utc):
         return
     # An arm finished under the plan in force is reused; where the plan is
-    # committed again meanwhile (a probe rerun), train still refuses.
-    checks = Checks(cfg)
-    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and not _reused_quietly(s, checks, keys[s.name])]
+    # committed again meanwhile (a probe rerun), train still refuses. Lost
+    # weights stop the study whatever the deadline, and are said as such.
+    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and _reusable_run(s, checks, keys[s.name])[0] is None]
     if to_train:
         raise UserError(
             f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_train)} would train after it; "
@@ -347,8 +354,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     keys: dict[str, str] = {}
     for step in steps:
         keys[step.name] = step_key(step, cfg, keys)
-    _refuse_a_passed_deadline(cfg, steps, keys)
     checks = Checks(cfg)
+    _refuse_a_passed_deadline(cfg, steps, keys, checks)
     t0 = time.perf_counter()
     # Not train-<arm>-<preset>: that is the name of the arm run it starts.
     name = f"study-{TRAIN}-{args.arm}-{cfg.preset}" if args.through == TRAIN else f"study-{cfg.preset}"

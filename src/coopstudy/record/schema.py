@@ -83,7 +83,8 @@ development split, outside any study."""
 TAG_STEP_KEY = "coopstudy.step_key"
 """On the first run a step opens, under `study` or started by itself with the study's arguments (`train
 --arm both`: on each arm run): sha256 of the step's arguments, config, sources and upstream keys; a
-FINISHED run with the same key (and still valid) is reused by a study instead of run again."""
+FINISHED run with the same key (and still valid) is reused by a study instead of run again. Train and
+select steps are reused by plan instead: an arm's first finished run under the plan, the plan's selection."""
 M_STUDY_SECONDS = "study/seconds"
 """On the study run: wall seconds of the whole command, reused steps included."""
 ART_STEP_KEYS = "step_keys.json"

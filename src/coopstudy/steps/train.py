@@ -253,7 +253,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         if len(arms) == 1:
             # The arm's run is the stage's run: the lock and the prerequisites are
             # checked inside it, so a refusal stays on record as a FAILED attempt.
-            with _arm_run(cfg, arms[0]) as rec, _checked(rec, cfg, arms, devices, holder) as (held, _, _):
+            with _arm_run(cfg, arms[0]) as rec, _checked(rec, cfg, arms, devices, holder, args.hostfile) as (held, _, _):
                 if nodes is not None:
                     for k in range(1, nodes.count):
                         print(f"train compressed: on node {k} run: {_join_command(args, nodes, rec.run_id, k)}", flush=True)
@@ -263,7 +263,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         # must fit before the first starts; each is checked again at its start,
         # against what the first really spent.
         parent_run = writer.stage_run(schema.STAGE_TRAIN, cfg, run_name=f"train-{BOTH}-{cfg.preset}")
-        with parent_run as parent, _checked(parent, cfg, arms, devices, holder) as (held, sha, req):
+        with parent_run as parent, _checked(parent, cfg, arms, devices, holder, args.hostfile) as (held, sha, req):
             for arm in arms:
                 with _arm_run(cfg, arm, req) as rec:
                     held.note(run_id=rec.run_id)
@@ -274,7 +274,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _checked(
-    rec: writer.Recorder, cfg: Config, arms: tuple[str, ...], devices: list[str], holder: str
+    rec: writer.Recorder, cfg: Config, arms: tuple[str, ...], devices: list[str], holder: str, hostfile: Path | None
 ) -> Iterator[tuple[lock.Held, str, dict[str, str]]]:
     """The devices locked for `rec`, then the prerequisites and the budget of
     `arms` checked and recorded on it: (the lock, the plan's sha256, the tags)."""
@@ -283,12 +283,12 @@ def _checked(
         sha, req = require.training(cfg)
         rec.set_tags(req)
         # Before the budget: a finished arm is refused whatever the allocation holds.
-        _refuse_finished(cfg, sha, arms)
+        _refuse_finished(cfg, sha, arms, hostfile)
         guard(rec, cfg, sha, arms)
         yield held, sha, req
 
 
-def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
+def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...], hostfile: Path | None) -> None:
     """An arm trains once per plan: its first finished run's weights are its
     predetermined candidate, so a run trained again, once the first one's
     numbers are known, could only be a try for better ones."""
@@ -299,7 +299,8 @@ def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...]) -> None:
     said = "; ".join(f"arm {arm} finished under plan {sha[:12]} (train run {done[arm].info.run_id})" for arm in again)
     todo = [arm for arm in ARMS if arm not in done]
     step = "evaluate" if require.selected_train_runs(sha) else "select"
-    nxt = f"train {cfg.arguments} --arm {todo[0]}" if len(todo) == 1 else f"{step} {cfg.arguments}"
+    hosts = f" --hostfile {shlex.quote(str(hostfile))}" if hostfile is not None and todo == [COMPRESSED] else ""
+    nxt = f"train {cfg.arguments} --arm {todo[0]}{hosts}" if len(todo) == 1 else f"{step} {cfg.arguments}"
     raise UserError(
         f"{said}: an arm trains once per plan, its final weights being its predetermined candidate; "
         f"go on: `python -m coopstudy {nxt}`"
@@ -331,6 +332,8 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
         tags = run.data.tags
         if (tags.get(schema.TAG_STAGE), tags.get(schema.TAG_ARM)) != (schema.STAGE_TRAIN, COMPRESSED):
             raise UserError(f"--run-id {run_id} is not a train run of the compressed arm")
+        if run.info.status == "FINISHED":
+            raise UserError(f"--run-id {run_id} is FINISHED: the arm has trained under its plan (an arm trains once per plan); nothing to join")
         if run.info.status != "RUNNING":
             raise UserError(f"--run-id {run_id} is {run.info.status}, not RUNNING: start node 0 again and join the run it prints")
         if tags.get(schema.TAG_CONFIG_SHA) != store.config_sha256(cfg):
