@@ -2,8 +2,8 @@
 planned run, committed once, by the sha256 of its weights.
 
 `final_candidates` finds the first FINISHED train run of each arm under the
-plan (the planned one: train refuses an arm that finished under it) and re-hashes its checkpoint against the hash that run recorded;
-`commit` appends both to the ledger (kind candidate, subject
+plan (the planned one: train refuses an arm that finished under it) and
+re-hashes its checkpoint against the hash that run recorded; `commit` appends both to the ledger (kind candidate, subject
 `<plan sha>/<arm>`); the select step mirrors them on its run in between, so
 the record holds every selection the ledger does. Only FINISHED runs are
 candidates: a run interrupted, stopped or killed (KILLED or FAILED), or one

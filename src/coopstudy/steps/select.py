@@ -15,8 +15,8 @@ arm's candidate, once per plan: what evaluate scores and report judges.
 
 Reads: the committed plan of this config (refused if anything it hashes
 changed), the first FINISHED train run of each arm (control, compressed)
-under that plan (train refuses an arm that finished under it) (tags {schema.TAG_STAGE}={schema.STAGE_TRAIN}, {schema.TAG_ARM},
-{schema.TAG_PLAN}), the checkpoint sha256 and local path it recorded, and
+under that plan (tags {schema.TAG_STAGE}={schema.STAGE_TRAIN}, {schema.TAG_ARM},
+{schema.TAG_PLAN}; train refuses an arm that finished under it), the checkpoint sha256 and local path it recorded, and
 the weights on disk (where they are gone, brought back first from the train
 run's `{schema.ART_CHECKPOINT}` artifact, which must hash the same).
 Writes: two ledger entries (kind candidate, subject <plan sha>/<arm>, the
