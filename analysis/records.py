@@ -12,6 +12,7 @@ run id it came from, so each number in the report traces back to its run.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,35 +270,38 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
     return frame
 
 
-def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
-    """Every train run of each arm under the study's plan (else under `key`),
-    oldest first (see Records.attempts): a config's earlier plans are other studies."""
+def _study_runs(experiment: str, key: StudyKey, plan_sha: str | None, stage: str, by: str, values: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """(value, run) for every run of `stage` under the study's plan (else under
+    `key`) whose tag `by` holds each of `values`, oldest first: a config's
+    earlier plans are other studies."""
     tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
-    rows = []
-    for arm in ARMS:
-        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{schema.TAG_ARM}` = '{arm}'"
+    for wanted in values:
+        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{stage}' and tags.`{by}` = '{wanted}'"
         for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
-            metrics = run.data.metrics
-            rows.append(
-                {"arm": arm, "run_id": run.info.run_id, "status": run.info.status}
-                | {c: metrics.get(RUN_METRICS[c], float("nan")) for c in REQUIRED_RUN_METRICS}
-                | {"timed": run.info.run_id == timed[arm]}
-            )
+            yield wanted, run
+
+
+def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
+    """Every train run of each arm under the study (see Records.attempts)."""
+    rows = [
+        {"arm": arm, "run_id": run.info.run_id, "status": run.info.status}
+        | {c: run.data.metrics.get(RUN_METRICS[c], float("nan")) for c in REQUIRED_RUN_METRICS}
+        | {"timed": run.info.run_id == timed[arm]}
+        for arm, run in _study_runs(experiment, key, plan_sha, schema.STAGE_TRAIN, schema.TAG_ARM, ARMS)
+    ]
     return pd.DataFrame(rows, columns=["arm", "run_id", "status", *REQUIRED_RUN_METRICS, "timed"])
 
 
 def _evaluations(experiment: str, key: StudyKey, plan_sha: str | None, scored: dict[str, str]) -> pd.DataFrame:
-    """Every evaluate run of each model under the study's plan (else under `key`), oldest first."""
-    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
-    rows = []
-    for model in MODELS:
-        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_EVALUATE}' and tags.`{schema.TAG_MODEL}` = '{model}'"
-        for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
-            rows.append({
-                "model": model, "run_id": run.info.run_id, "status": run.info.status,
-                "weights": run.data.tags.get(schema.TAG_CHECKPOINT_SHA, ""),
-                "accuracy": run.data.metrics.get(schema.M_ACCURACY, float("nan")), "scored": run.info.run_id == scored[model],
-            })  # fmt: skip
+    """Every evaluate run of each model under the study (see Records.evaluations)."""
+    rows = [
+        {
+            "model": model, "run_id": run.info.run_id, "status": run.info.status,
+            "weights": run.data.tags.get(schema.TAG_CHECKPOINT_SHA, ""),
+            "accuracy": run.data.metrics.get(schema.M_ACCURACY, float("nan")), "scored": run.info.run_id == scored[model],
+        }  # fmt: skip
+        for model, run in _study_runs(experiment, key, plan_sha, schema.STAGE_EVALUATE, schema.TAG_MODEL, MODELS)
+    ]
     return pd.DataFrame(rows, columns=["model", "run_id", "status", "weights", "accuracy", "scored"])
 
 

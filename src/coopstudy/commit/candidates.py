@@ -115,9 +115,12 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
     refuses, naming every arm, when one has not finished."""
     found: dict[str, Candidate] = {}
     problems = []
+    todo = []
+    """Arms with no finished run: those that can still train under the plan."""
     for arm in ARMS:
         run = first_finished(cfg, plan_sha, arm)
         if run is None:
+            todo.append(arm)
             runs = _train_runs(cfg, plan_sha, arm)
             problems.append(
                 f"arm {arm} has not finished (its newest train run {runs[0].info.run_id} is {runs[0].info.status})"
@@ -132,7 +135,6 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
         found[arm] = Candidate(arm, sha, Path(path), run.info.run_id)
     if problems:
         # An arm whose finished run recorded no checkpoint cannot train again under the plan.
-        todo = [arm for arm in ARMS if first_finished(cfg, plan_sha, arm) is None]
         hint = f"train first: `python -m coopstudy train {cfg.arguments} --arm {todo[0] if len(todo) == 1 else BOTH}`" if todo else None
         raise RefusedError(f"{'; '.join(problems)} (plan {plan_sha[:12]})", hint=hint)
     return found
