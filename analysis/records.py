@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import pandas as pd
@@ -142,8 +143,10 @@ class Records:
     """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
     attempts: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per train run under the study's plan (else its key), whatever
-    its status, oldest first: arm, run_id, status, active_seconds,
-    complete_seconds (NaN when not logged), timed (the run select took, whose seconds the screens use). Every
+    its status, oldest first across the arms: arm, run_id, status, started and ended
+    (ISO-8601 UTC; ended None while it runs), refused (FAILED by a refusal before it trained: a finished arm, the budget, a
+    changed commitment), active_seconds, complete_seconds (NaN when not logged),
+    timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     evaluations: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per evaluate run of a model under the study's plan (else its key),
@@ -284,12 +287,22 @@ def _study_runs(experiment: str, key: StudyKey, plan_sha: str | None, stage: str
 def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
     """Every train run of each arm under the study (see Records.attempts)."""
     rows = [
-        {"arm": arm, "run_id": run.info.run_id, "status": run.info.status}
+        {"arm": arm, "run_id": run.info.run_id, "status": run.info.status, "started": _utc(run.info.start_time)}
+        | {"ended": _utc(run.info.end_time) if run.info.end_time else None}
+        | {"refused": run.info.status == "FAILED" and run.data.tags.get(schema.TAG_ERROR_KIND) == RefusedError.__name__}
         | {c: run.data.metrics.get(RUN_METRICS[c], float("nan")) for c in REQUIRED_RUN_METRICS}
         | {"timed": run.info.run_id == timed[arm]}
         for arm, run in _study_runs(experiment, key, plan_sha, schema.STAGE_TRAIN, schema.TAG_ARM, ARMS)
     ]
-    return pd.DataFrame(rows, columns=["arm", "run_id", "status", *REQUIRED_RUN_METRICS, "timed"])
+    # Oldest first across the arms (a stable sort: runs begun in one millisecond keep the arms' order),
+    # so the table shows the order the arms trained in.
+    rows.sort(key=lambda r: r["started"])
+    return pd.DataFrame(rows, columns=["arm", "run_id", "status", "started", "ended", "refused", *REQUIRED_RUN_METRICS, "timed"])
+
+
+def _utc(ms: int) -> str:
+    """A run's start or end (MLflow's milliseconds) as ISO-8601 UTC to the millisecond, which sorts as it reads."""
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _evaluations(experiment: str, key: StudyKey, plan_sha: str | None, scored: dict[str, str]) -> pd.DataFrame:

@@ -339,22 +339,45 @@ def run_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def attempt_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = [
-        [a["arm"], a["run_id"], a["status"], _count(a["active_seconds"]), _count(a["complete_seconds"]), "yes" if a["timed"] else ""]
+        [
+            a["arm"], a["run_id"], a["status"] + (" (refused)" if a["refused"] else ""), a["started"][:19].replace("T", " "),
+            _count(a["active_seconds"]), _count(a["complete_seconds"]), "yes" if a["timed"] else "",
+        ]  # fmt: skip
         for a in report["train_attempts"]
     ]
-    return ["arm", "train run", "status", "active s", "complete s", "timed by the screens"], rows
+    return ["arm", "train run", "status", "started (UTC)", "active s", "complete s", "timed by the screens"], rows
 
 
 def attempts_line(report: dict[str, Any]) -> str:
-    """How many train runs each arm made under the study, said beside the speed screens."""
-    counts = {arm: sum(a["arm"] == arm for a in report["train_attempts"]) for arm in ARMS}
+    """How many train runs each arm made under the study, said beside the speed
+    screens, how many were refused before they trained, and whether the timed
+    runs kept the protocol's order (the control, then the compressed arm, never
+    both at once)."""
+    attempts = report["train_attempts"]
+    counts = {arm: sum(a["arm"] == arm and not a["refused"] for a in attempts) for arm in ARMS}
     if all(n == 1 for n in counts.values()):
-        return "Each arm trained once under this study; the speed screens time those runs."
-    said = ", ".join(f"{arm} {n}" for arm, n in counts.items())
-    return (
-        f"Train runs under this study: {said}. The speed screens time only the run select took; "
-        "every other attempt, finished or not, is listed here as evidence."
-    )
+        said = "Each arm trained once under this study; the speed screens time those runs."
+    else:
+        said = (
+            f"Train runs under this study: {', '.join(f'{arm} {n}' for arm, n in counts.items())}. The speed screens "
+            "time only the run select took; every other attempt, finished or not, is listed here as evidence."
+        )
+    refused = {arm: n for arm in ARMS if (n := sum(a["arm"] == arm and a["refused"] for a in attempts))}
+    if refused:
+        said += f" Refused before training (counted apart): {', '.join(f'{arm} {n}' for arm, n in refused.items())}."
+    return f"{said} {_order(attempts)}"
+
+
+def _order(attempts: list[dict[str, Any]]) -> str:
+    timed = {a["arm"]: a for a in attempts if a["timed"]}
+    if set(timed) != set(ARMS):
+        return ""
+    first, second = (timed[arm] for arm in ARMS)
+    if second["started"] < first["started"]:
+        return f"The timed runs trained out of the protocol's order: {second['arm']} before {first['arm']}."
+    if second["started"] < first["ended"]:
+        return f"The timed runs overlapped: {second['arm']} started before {first['arm']} ended."
+    return f"The timed runs kept the protocol's order: {first['arm']}, then {second['arm']}."
 
 
 def evaluation_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

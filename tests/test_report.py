@@ -135,6 +135,7 @@ def make_study(
     compressed_active: float = 40.0,
     compressed_shift: float = 0.002,
     prepared: bool = True,
+    trained: tuple[str, ...] = ("control", "compressed"),
 ) -> dict[str, str]:
     """A complete study record: the prepare run (unless not `prepared`), the plan
     run (with `plan`), both train runs, select, evaluate with one child per model.
@@ -147,10 +148,8 @@ def make_study(
         _prepare_run(cfg)
     if plan:
         _plan_run(cfg, plan)
-    ids = {
-        "train/control": _train(cfg, "control", active=60.0, complete=80.0, plan=plan),
-        "train/compressed": _train(cfg, "compressed", active=compressed_active, complete=60.0, plan=plan),
-    }
+    seconds = {"control": (60.0, 80.0), "compressed": (compressed_active, 60.0)}
+    ids = {f"train/{arm}": _train(cfg, arm, active=seconds[arm][0], complete=seconds[arm][1], plan=plan) for arm in trained}
     tags = {schema.TAG_CANDIDATE_PREFIX + arm: sha for arm, sha in CANDIDATE.items()}
     tags |= {schema.TAG_CANDIDATE_RUN_PREFIX + arm: ids[f"train/{arm}"] for arm in CANDIDATE}
     with writer.stage_run(schema.STAGE_SELECT, cfg, tags=tags | ({schema.TAG_PLAN: plan} if plan else {})) as rec:
@@ -452,6 +451,9 @@ def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(ca
     faster = _train(tiny, "compressed", active=20.0, complete=30.0, plan=None)
     with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed"):
         raise RuntimeError("rank 1 died")
+    # A refusal trains nothing: listed, and counted apart from the runs that trained.
+    with pytest.raises(RefusedError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control"):
+        raise RefusedError("arm control finished under plan P: an arm trains once per plan")
     rc, out, err = _report(capsys, "--out", str(tmp_path))
     assert rc == 0, err
     report = json.loads((tmp_path / schema.ART_REPORT_JSON).read_text())
@@ -461,14 +463,49 @@ def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(ca
         ("compressed", True, "FINISHED", 40.0, True),
         ("compressed", False, "FINISHED", 20.0, False),
         ("compressed", False, "FAILED", None, False),
+        ("control", False, "FAILED", None, False),
     ]
+    assert [a["refused"] for a in report["train_attempts"]] == [False, False, False, False, True]
     assert faster in [a["run_id"] for a in report["train_attempts"]]
     # The screens still time the run select took.
     assert sc.ACTIVE_SPEEDUP in {s["name"] for s in report["screens"] if ids["train/compressed"] in s["run_ids"].values()}
-    said = "Train runs under this study: control 1, compressed 3. The speed screens time only the run select took"
+    said = (
+        "Train runs under this study: control 1, compressed 3. The speed screens time only the run select took; "
+        "every other attempt, finished or not, is listed here as evidence. Refused before training (counted apart): "
+        "control 1. The timed runs kept the protocol's order: control, then compressed."
+    )
     assert said in " ".join(out.split())
     md = (tmp_path / "report.md").read_text()
-    assert said in md and f"| compressed | {faster} | FINISHED | 20.0 | 30.0 |  |" in md
+    started = next(a["started"] for a in report["train_attempts"] if a["run_id"] == faster)
+    assert said in md and f"| compressed | {faster} | FINISHED | {started[:10]} {started[11:19]} | 20.0 | 30.0 |  |" in md
+    assert "| control | " in md and "| FAILED (refused) |" in md
+
+
+@pytest.mark.parametrize(
+    ("trained", "said"),
+    [
+        (("control", "compressed"), "Each arm trained once under this study; the speed screens time those runs. "
+         "The timed runs kept the protocol's order: control, then compressed."),
+        (("compressed", "control"), "The timed runs trained out of the protocol's order: compressed before control."),
+    ],
+)  # fmt: skip
+def test_the_report_says_whether_the_arms_trained_in_the_protocols_order(capsys, tiny, tmp_path, trained, said):
+    # Before, nothing said which arm trained first: the protocol trains the control, then the compressed arm.
+    make_study(tiny, trained=trained)
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    assert said in " ".join(out.split()) and said in (tmp_path / "report.md").read_text()
+
+
+def test_the_report_says_when_the_timed_runs_overlapped(capsys, tiny, tmp_path):
+    ids = make_study(tiny)
+    client = mlflow.MlflowClient()
+    # The control ended a second after the compressed arm began: two training jobs at once.
+    begun = client.get_run(ids["train/compressed"]).info.start_time
+    client.set_terminated(ids["train/control"], "FINISHED", end_time=begun + 1000)
+    rc, out, err = _report(capsys, "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "The timed runs overlapped: compressed started before control ended." in " ".join(out.split())
 
 
 def test_every_evaluate_run_is_reported_and_runs_of_the_same_weights_that_disagree_are_said(capsys, tiny, tmp_path):

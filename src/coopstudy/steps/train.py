@@ -301,7 +301,7 @@ def _refuse_finished(cfg: Config, sha: str, arms: tuple[str, ...], hostfile: Pat
     step = "evaluate" if require.selected_train_runs(sha) else "select"
     hosts = f" --hostfile {shlex.quote(str(hostfile))}" if hostfile is not None and todo == [COMPRESSED] else ""
     nxt = f"train {cfg.arguments} --arm {todo[0]}{hosts}" if len(todo) == 1 else f"{step} {cfg.arguments}"
-    raise UserError(
+    raise errors.RefusedError(
         f"{said}: an arm trains once per plan, its final weights being its predetermined candidate; "
         f"go on: `python -m coopstudy {nxt}`"
     )
