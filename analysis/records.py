@@ -143,10 +143,11 @@ class Records:
     """One row per model and retention document: model, run_id, doc_id, tokens, nll_sum, mean_nll."""
     attempts: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per train run under the study's plan (else its key), whatever
-    its status, oldest first across the arms: arm, run_id, status, started and ended
-    (ISO-8601 UTC; ended None while it runs), refused (FAILED by a refusal before it trained: a finished arm, the budget, a
-    changed commitment), active_seconds, complete_seconds (NaN when not logged),
-    timed (the run select took, whose seconds the screens use). Every
+    its status, oldest first across the arms: arm, run_id, status, started and
+    ended (ISO-8601 UTC; ended None while it runs), refused (FAILED by a refusal
+    before it trained: a finished arm, the budget, the lock, a changed
+    commitment), active_seconds, complete_seconds, cost_usd (each NaN when not
+    logged), timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     evaluations: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per evaluate run of a model under the study's plan (else its key),
@@ -157,6 +158,9 @@ class Records:
     """What the prepare run that made the train runs' inputs says of them
     (INPUT_SECTIONS of its manifest, its run id and the inputs sha); None when
     the record holds no such run."""
+    budget: dict[str, Any] | None = None
+    """The budget the plan committed (price, allocation, deadline, the probes'
+    cost, the projected cost of probes and both arms); None without a plan."""
 
 
 SELECT_ROLE = "select"
@@ -290,14 +294,14 @@ def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[
         {"arm": arm, "run_id": run.info.run_id, "status": run.info.status, "started": _utc(run.info.start_time)}
         | {"ended": _utc(run.info.end_time) if run.info.end_time else None}
         | {"refused": run.info.status == "FAILED" and run.data.tags.get(schema.TAG_ERROR_KIND) == RefusedError.__name__}
-        | {c: run.data.metrics.get(RUN_METRICS[c], float("nan")) for c in REQUIRED_RUN_METRICS}
+        | {c: run.data.metrics.get(RUN_METRICS[c], float("nan")) for c in (*REQUIRED_RUN_METRICS, "cost_usd")}
         | {"timed": run.info.run_id == timed[arm]}
         for arm, run in _study_runs(experiment, key, plan_sha, schema.STAGE_TRAIN, schema.TAG_ARM, ARMS)
     ]
     # Oldest first across the arms (a stable sort: runs begun in one millisecond keep the arms' order),
     # so the table shows the order the arms trained in.
     rows.sort(key=lambda r: r["started"])
-    return pd.DataFrame(rows, columns=["arm", "run_id", "status", "started", "ended", "refused", *REQUIRED_RUN_METRICS, "timed"])
+    return pd.DataFrame(rows, columns=["arm", "run_id", "status", "started", "ended", "refused", *REQUIRED_RUN_METRICS, "cost_usd", "timed"])
 
 
 def _utc(ms: int) -> str:
@@ -414,10 +418,11 @@ def _inputs(train_runs: dict[str, Any], experiment: str) -> dict[str, Any] | Non
     return {"sha256": sha, "prepare_run": run.info.run_id} | {k: manifest.get(k) for k in INPUT_SECTIONS}
 
 
-def check_plan_sources(experiment: str, plan_sha: str) -> None:
-    """Refuse, naming the files, when a source the plan binds (every file that
-    decides a number, analysis/ included) differs from the committed one: the
-    screens are computed by the code the plan fixed before scoring."""
+def plan_document(experiment: str, plan_sha: str) -> dict[str, Any]:
+    """The plan's document, from its plan run; refused, naming the files, when
+    a source the plan binds (every file that decides a number, analysis/
+    included) differs from the committed one: the screens are computed by the
+    code the plan fixed before scoring."""
     run = _newest_finished(experiment, {schema.TAG_STAGE: schema.STAGE_PLAN, schema.TAG_PLAN: plan_sha})
     if run is None:
         raise RefusedError(f"plan {plan_sha[:12]}: no FINISHED plan run in experiment {experiment!r} holds it; the sources it binds cannot be checked")
@@ -431,20 +436,20 @@ def check_plan_sources(experiment: str, plan_sha: str) -> None:
             f"changed since the plan {plan_sha[:12]} was committed: source {', '.join(changed)}; "
             "the screens are computed by the planned code: restore it, or rerun the study and commit a new plan"
         )
+    return doc
 
 
 def load(cfg: Config, plan: str | None = None) -> Records:
     """The study's record; refuses when a role's run is missing or inconsistent,
     or a source the study's plan binds has changed."""
     key = study_key(cfg, plan)
-    if key.kind == "plan":
-        check_plan_sources(cfg.experiment, key.value)
+    planned = plan_document(cfg.experiment, key.value) if key.kind == "plan" else None
     client = store.client()
     runs = _find_runs(client, cfg.experiment, key)
     _check_one_study(runs, cfg)
     plan_sha = _plan_of(runs, key)
     if plan_sha and key.kind != "plan":
-        check_plan_sources(cfg.experiment, plan_sha)
+        planned = plan_document(cfg.experiment, plan_sha)
 
     select = runs[SELECT_ROLE]
     candidates = {}
@@ -479,4 +484,5 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         cases=cases,
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),
+        budget=planned.get("budget") if planned else None,
     )

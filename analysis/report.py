@@ -131,6 +131,40 @@ def _retention_nll(records: Records) -> dict[str, Any]:
     return out
 
 
+def _budget(records: Records) -> dict[str, Any] | None:
+    """What the study spent against the allocation its plan committed: the
+    probes and every train run under the plan (failed and stopped ones too;
+    evaluate logs no cost). None without a plan, which holds both."""
+    planned = records.budget
+    if planned is None:
+        return None
+    train = float(records.attempts["cost_usd"].fillna(0.0).sum())
+    return {
+        "allocation_usd": planned["allocation_usd"],
+        "deadline": planned["deadline"],
+        "hourly_price_usd": planned["hourly_price_usd"],
+        "probes_cost_usd": planned["probes_cost_usd"],
+        "train_cost_usd": train,
+        "train_runs": int(len(records.attempts)),
+        "spent_usd": planned["probes_cost_usd"] + train,
+        "projected_cost_usd": planned["projected_cost_usd"],
+    }
+
+
+def budget_line(report: dict[str, Any]) -> str:
+    """The budget beside the screens: spent against the allocation and the plan's projection."""
+    b = report["budget"]
+    if b is None:
+        return "Budget: no plan in this study's record, so no allocation or projection to set its cost against."
+    deadline = f", deadline {b['deadline']}" if b["deadline"] else ", no deadline"
+    return (
+        f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}{deadline} "
+        f"(at ${b['hourly_price_usd']:.2f} per device-hour): probes ${b['probes_cost_usd']:.2f}, "
+        f"{b['train_runs']} train run(s) ${b['train_cost_usd']:.2f}; evaluate logs no cost. "
+        f"The plan projected ${b['projected_cost_usd']:.2f} for the probes and one run of each arm."
+    )
+
+
 def _differs_from_preset(cfg: Config) -> dict[str, dict[str, str]] | str:
     """The settings the study changed (`--set`) from its preset's file: a report
     titled with a preset says which of the preset's numbers it did not run.
@@ -166,6 +200,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
             "screens": [s.to_dict() for s in screens],
             "resources": sc.resources(records.train, {arm: cfg.arm(arm).workers for arm in ARMS}),
             "inputs": records.inputs,
+            "budget": _budget(records),
             "training": _training(records),
             "breakdown": _breakdown(records, cfg),
             "accuracy": _accuracy(records),
@@ -516,6 +551,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "## Beside the screens",
         _md_table(*resource_rows(report)),
         DEVICE_SECONDS_NOTE + " " + BYTES_NOTE + " " + NO_DENSE_ARM,
+        budget_line(report),
         "## Where an update's seconds went",
         _md_table(*breakdown_rows(report)),
         BREAKDOWN_NOTE,
@@ -666,6 +702,7 @@ def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
         "</ol><h2>Beside the screens</h2>",
         _html_table(*resource_rows(report)),
         f"<p>{html.escape(DEVICE_SECONDS_NOTE)} {html.escape(BYTES_NOTE)} {html.escape(NO_DENSE_ARM)}</p>",
+        f"<p>{html.escape(budget_line(report))}</p>",
         "<h2>Where an update's seconds went</h2>",
         _html_table(*breakdown_rows(report)),
         f"<p>{html.escape(BREAKDOWN_NOTE)}</p>",

@@ -73,7 +73,7 @@ def _train(cfg, arm: str, *, active: float, complete: float, plan: str | None) -
                 schema.M_BYTES_TOTAL: dense_bytes + compressed_bytes + setup_bytes,
                 schema.M_BYTES_SETUP: setup_bytes,
                 schema.M_PEAK_RSS_MB: 800.0,
-                schema.M_COST_USD: 0.0,
+                schema.M_COST_USD: devices * complete / 1000,
                 schema.M_OTHERS_CORES: 0.5 if arm == "compressed" else 0.0,
                 schema.M_STEAL_SECONDS: 0.0,
             }
@@ -103,8 +103,15 @@ def _plan_run(cfg, plan: str, files: dict[str, str] | None = None) -> str:
     """The plan run as `plan` records it: the plan document binds the sources as they are now (or `files`)."""
     _, now = sources.deciding_sources_sha256()
     with writer.stage_run(schema.STAGE_PLAN, cfg, tags={schema.TAG_PLAN: plan}) as rec:
-        rec.log_dict({"sources": {"files": files if files is not None else now}}, schema.ART_PLAN)
+        rec.log_dict({"sources": {"files": files if files is not None else now}, "budget": PLANNED_BUDGET}, schema.ART_PLAN)
     return rec.run_id
+
+
+PLANNED_BUDGET = {
+    "hourly_price_usd": 3.6, "allocation_usd": 100.0, "deadline": None,
+    "probes_cost_usd": 0.05, "projected_cost_usd": 0.3, "projected_seconds": 80.0,
+}  # fmt: skip
+"""The budget part of the plan document `plan` writes."""
 
 
 MANIFEST = {
@@ -538,6 +545,29 @@ def test_every_evaluate_run_is_reported_and_runs_of_the_same_weights_that_disagr
     md = (tmp_path / "report.md").read_text()
     assert said in md and f"| compressed | {again} | FINISHED | c1c1c1c1c1c1 | 0.610 | yes |" in md
     assert html.escape(said) in (tmp_path / schema.ART_REPORT_HTML).read_text()
+
+
+def test_the_report_sets_what_the_study_spent_against_the_plans_allocation(capsys, tiny, tmp_path):
+    # Before, the report showed each timed run's cost alone: not the probes, the other attempts, nor the allocation.
+    make_study(tiny, plan=PLAN)
+    with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed", tags={schema.TAG_PLAN: PLAN}) as rec:
+        rec.log_metrics({schema.M_COST_USD: 0.02})
+        raise RuntimeError("rank 1 died")
+    rc, out, err = _report(capsys, "--plan", PLAN, "--out", str(tmp_path))
+    assert rc == 0, err
+    report = json.loads((tmp_path / schema.ART_REPORT_JSON).read_text())
+    # Probes 0.05; control 1 x 80 s and compressed 2 x 60 s at 1/1000 each; the failed run 0.02.
+    planned = {k: v for k, v in PLANNED_BUDGET.items() if k != "projected_seconds"}
+    assert report["budget"] == planned | {"train_cost_usd": pytest.approx(0.22), "train_runs": 3, "spent_usd": pytest.approx(0.27)}
+    said = (
+        "Budget: spent $0.27 of the plan's allocation $100.00, no deadline (at $3.60 per device-hour): probes $0.05, "
+        "3 train run(s) $0.22; evaluate logs no cost. The plan projected $0.30 for the probes and one run of each arm."
+    )
+    assert said in " ".join(out.split()) and said in (tmp_path / "report.md").read_text()
+    make_study(tiny)
+    rc, out, err = _report(capsys, "--out", str(tmp_path / "no-plan"))
+    assert rc == 0, err
+    assert "Budget: no plan in this study's record" in out
 
 
 def test_train_runs_of_another_plan_of_the_same_config_are_not_this_studys_attempts(tiny):

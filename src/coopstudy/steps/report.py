@@ -80,6 +80,7 @@ def _print(report: dict[str, Any], folder: Path) -> None:
         for row in rows:
             beside.add_row(*row)
         console.print(beside)
+    console.print(rep.budget_line(report), soft_wrap=True)
     console.print(rep.attempts_line(report), soft_wrap=True)
     console.print(rep.evaluations_line(report), soft_wrap=True)
     console.print(rep.preset_line(report), soft_wrap=True, markup=False)  # values such as [gcd, products] are no markup
