@@ -161,6 +161,8 @@ class Records:
     budget: dict[str, Any] | None = None
     """The budget the plan committed (price, allocation, deadline, the probes'
     cost, the projected cost of probes and both arms); None without a plan."""
+    evaluate_spent: tuple[float, int] = (0.0, 0)
+    """(USD, runs): what the evaluate runs under the study spent, failed and stopped ones too."""
 
 
 SELECT_ROLE = "select"
@@ -277,15 +279,28 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
     return frame
 
 
-def _study_runs(experiment: str, key: StudyKey, plan_sha: str | None, stage: str, by: str, values: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    """(value, run) for every run of `stage` under the study's plan (else under
-    `key`) whose tag `by` holds each of `values`, oldest first: a config's
-    earlier plans are other studies."""
+def _study_filter(key: StudyKey, plan_sha: str | None, stage: str) -> str:
+    """The runs of `stage` under the study's plan (else under `key`): a config's earlier plans are other studies."""
     tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
+    return f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{stage}'"
+
+
+def _study_runs(experiment: str, key: StudyKey, plan_sha: str | None, stage: str, by: str, values: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """(value, run) for every run of `stage` under the study whose tag `by` holds each of `values`, oldest first."""
     for wanted in values:
-        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{stage}' and tags.`{by}` = '{wanted}'"
+        flt = f"{_study_filter(key, plan_sha, stage)} and tags.`{by}` = '{wanted}'"
         for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
             yield wanted, run
+
+
+def _evaluate_spent(experiment: str, key: StudyKey, plan_sha: str | None) -> tuple[float, int]:
+    """(cost, runs) of the evaluate runs under the study that logged a cost (the parents, which held the device)."""
+    spent = [
+        run.data.metrics[schema.M_COST_USD]
+        for run in store.search_runs(experiment, _study_filter(key, plan_sha, schema.STAGE_EVALUATE))
+        if schema.M_COST_USD in run.data.metrics
+    ]
+    return sum(spent), len(spent)
 
 
 def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
@@ -485,4 +500,5 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),
         budget=planned.get("budget") if planned else None,
+        evaluate_spent=_evaluate_spent(cfg.experiment, key, plan_sha),
     )

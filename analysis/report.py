@@ -133,20 +133,23 @@ def _retention_nll(records: Records) -> dict[str, Any]:
 
 def _budget(records: Records) -> dict[str, Any] | None:
     """What the study spent against the allocation its plan committed: the
-    probes and every train run under the plan (failed and stopped ones too;
-    evaluate logs no cost). None without a plan, which holds both."""
+    probes, and every train and evaluate run under the plan (failed and stopped
+    ones too). None without a plan, which holds both."""
     planned = records.budget
     if planned is None:
         return None
     train = float(records.attempts["cost_usd"].fillna(0.0).sum())
+    evaluate, evaluate_runs = records.evaluate_spent
     return {
         "allocation_usd": planned["allocation_usd"],
         "deadline": planned["deadline"],
         "hourly_price_usd": planned["hourly_price_usd"],
         "probes_cost_usd": planned["probes_cost_usd"],
         "train_cost_usd": train,
-        "train_runs": int(len(records.attempts)),
-        "spent_usd": planned["probes_cost_usd"] + train,
+        "train_runs": int(records.attempts["cost_usd"].notna().sum()),
+        "evaluate_cost_usd": evaluate,
+        "evaluate_runs": evaluate_runs,
+        "spent_usd": planned["probes_cost_usd"] + train + evaluate,
         "projected_cost_usd": planned["projected_cost_usd"],
     }
 
@@ -160,7 +163,7 @@ def budget_line(report: dict[str, Any]) -> str:
     return (
         f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}{deadline} "
         f"(at ${b['hourly_price_usd']:.2f} per device-hour): probes ${b['probes_cost_usd']:.2f}, "
-        f"{b['train_runs']} train run(s) ${b['train_cost_usd']:.2f}; evaluate logs no cost. "
+        f"{b['train_runs']} train run(s) ${b['train_cost_usd']:.2f}, {b['evaluate_runs']} evaluate run(s) ${b['evaluate_cost_usd']:.2f}. "
         f"The plan projected ${b['projected_cost_usd']:.2f} for the probes and one run of each arm."
     )
 

@@ -304,6 +304,10 @@ def test_evaluate_scores_three_models_in_child_runs(selected_apart, capsys):
         assert f"{name} " in out
     (parent,) = [r for r in _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate'") if schema.TAG_MODEL not in r.data.tags]
     assert parent.info.status == "FINISHED"
+    # What it spent, which the report sets against the budget: one device for as long as it held it.
+    spent = parent.data.metrics
+    assert spent[schema.M_COMPLETE_SECONDS] > 1.0 and spent[schema.M_DEVICE_SECONDS] == spent[schema.M_COMPLETE_SECONDS]
+    assert spent[schema.M_COST_USD] == 0.0  # tiny prices a device at 0
     children = _child_runs()
     assert set(children) == {"seed", "control", "compressed"}
     prepared_test = [json.loads(line) for line in next(Path(workspace.home(), "prepared").glob("*/test.jsonl")).read_text().splitlines()]
@@ -337,6 +341,8 @@ def test_evaluate_scores_three_models_in_child_runs(selected_apart, capsys):
 
 def _failed_evaluate_error() -> str:
     (run,) = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
+    # A failed evaluate spent its device time too.
+    assert run.data.metrics[schema.M_DEVICE_SECONDS] == run.data.metrics[schema.M_COMPLETE_SECONDS] > 0
     return run.data.tags[schema.TAG_ERROR]
 
 

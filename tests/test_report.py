@@ -553,15 +553,23 @@ def test_the_report_sets_what_the_study_spent_against_the_plans_allocation(capsy
     with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed", tags={schema.TAG_PLAN: PLAN}) as rec:
         rec.log_metrics({schema.M_COST_USD: 0.02})
         raise RuntimeError("rank 1 died")
+    # A refusal spent nothing, and an evaluate run held the device for a minute.
+    with pytest.raises(RefusedError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control", tags={schema.TAG_PLAN: PLAN}):
+        raise RefusedError("arm control finished under plan P")
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_PLAN: PLAN}) as rec:
+        rec.log_metrics({schema.M_COST_USD: 0.06})
     rc, out, err = _report(capsys, "--plan", PLAN, "--out", str(tmp_path))
     assert rc == 0, err
     report = json.loads((tmp_path / schema.ART_REPORT_JSON).read_text())
-    # Probes 0.05; control 1 x 80 s and compressed 2 x 60 s at 1/1000 each; the failed run 0.02.
+    # Probes 0.05; control 1 x 80 s and compressed 2 x 60 s at 1/1000 each; the failed run 0.02; evaluate 0.06.
     planned = {k: v for k, v in PLANNED_BUDGET.items() if k != "projected_seconds"}
-    assert report["budget"] == planned | {"train_cost_usd": pytest.approx(0.22), "train_runs": 3, "spent_usd": pytest.approx(0.27)}
+    assert report["budget"] == planned | {
+        "train_cost_usd": pytest.approx(0.22), "train_runs": 3, "evaluate_cost_usd": 0.06, "evaluate_runs": 1,
+        "spent_usd": pytest.approx(0.33),
+    }  # fmt: skip
     said = (
-        "Budget: spent $0.27 of the plan's allocation $100.00, no deadline (at $3.60 per device-hour): probes $0.05, "
-        "3 train run(s) $0.22; evaluate logs no cost. The plan projected $0.30 for the probes and one run of each arm."
+        "Budget: spent $0.33 of the plan's allocation $100.00, no deadline (at $3.60 per device-hour): probes $0.05, "
+        "3 train run(s) $0.22, 1 evaluate run(s) $0.06. The plan projected $0.30 for the probes and one run of each arm."
     )
     assert said in " ".join(out.split()) and said in (tmp_path / "report.md").read_text()
     make_study(tiny)

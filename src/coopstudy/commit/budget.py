@@ -19,6 +19,16 @@ def cost_usd(device_seconds: float, hourly_price_usd: float) -> float:
     return device_seconds / 3600 * hourly_price_usd
 
 
+def spent_metrics(cfg: Config, devices: int, seconds: float) -> dict[str, float]:
+    """What a run that held `devices` for `seconds` logs as spent: its complete
+    and device seconds and their cost."""
+    return {
+        schema.M_COMPLETE_SECONDS: seconds,
+        schema.M_DEVICE_SECONDS: devices * seconds,
+        schema.M_COST_USD: cost_usd(devices * seconds, cfg.budget.hourly_price_usd),
+    }
+
+
 def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
     """One arm's projected complete seconds and cost, from its probe receipt."""
     seconds = receipt["update_seconds"]

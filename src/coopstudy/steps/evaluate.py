@@ -4,11 +4,13 @@ the retention probes, each model in its own child run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
+import time
 
 from coopstudy import scoring
-from coopstudy.commit import ledger, require
+from coopstudy.commit import budget, ledger, require
 from coopstudy.config import Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data
@@ -32,6 +34,8 @@ selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty
 test set.
 Writes: an evaluate run tagged with the plan and the candidates it checked,
+with the seconds it held the device and their cost ({schema.M_COMPLETE_SECONDS},
+{schema.M_DEVICE_SECONDS}, {schema.M_COST_USD}; failed and stopped runs too),
 and under it one child run per model (tag {schema.TAG_MODEL} = seed, control or compressed)
 with the same metrics ({schema.M_ACCURACY}, {schema.M_ACCURACY_PREFIX}<family>,
 {schema.M_RETENTION_NLL}, generation speed) and two tables: {schema.ART_TEST_TABLE} (one
@@ -43,67 +47,79 @@ up to evaluate.max_new_tokens, stopped at the end of turn."""
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    results: dict[str, dict[str, float]] = {}
     holder = f"coopstudy evaluate --preset {cfg.preset_argument}"
     with lock.one_process_job(holder) as held, writer.stage_run(schema.STAGE_EVALUATE, cfg) as rec:
         held.note(run_id=rec.run_id)
-        plan_sha = require.committed_plan(cfg)
-        plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
-        rec.set_tags(plan_tags)
-        selection = require.selection(cfg, plan_sha, ledger.Ledger())
-        rec.set_tags(
-            {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
-            | {schema.TAG_SELECT_RUN: selection.select_run_id}
-        )
-        prepared = require.inputs(cfg)
-        if not prepared.test:
-            raise UserError(f"the final test set in {prepared.folder} is empty; nothing to score")
-        if not prepared.retention:
-            raise UserError(f"the retention probes in {prepared.folder} are empty; nothing to score")
-        seed = resolve_seed(cfg)
-        models = {schema.MODEL_NAME_SEED: (seed.path, seed.sha256)} | {
-            arm: (c.path, c.sha256) for arm, c in selection.candidates.items()
-        }
-        # Every model is checked before any is scored: a bad candidate should
-        # not surface after the seed's minutes of generation.
-        tokenizers = {name: scoring.load_tokenizer(path, name) for name, (path, _) in models.items()}
-        for name, (path, _) in models.items():
-            scoring.check_tokenizer(tokenizers[name], tokenizers[schema.MODEL_NAME_SEED], name)
-            scoring.check_weights(path, name)
-
-        files = prepared.manifest["files"]
-        read = data.dataset_files(prepared.folder, prepared.manifest, data.EVALUATION_FILES)
-        for name, (path, sha) in models.items():
-            tokenizer = tokenizers[name]
-            model = scoring.load_model(path, name, tokenizer)
-            with writer.stage_run(
-                schema.STAGE_EVALUATE,
-                cfg,
-                run_name=f"evaluate-{name}-{cfg.preset}",
-                tags=plan_tags | {schema.TAG_MODEL: name, schema.TAG_CHECKPOINT_SHA: sha},
-            ) as child:
-                held.note(run_id=child.run_id)
-                scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
-                child.log_inputs(read, context="evaluation")
-                # The Models view compares the three, each figure on the file it was measured on.
-                child.log_model(
-                    name, scored.metrics, _measured_on(scored.metrics, files),
-                    params={schema.MODEL_PARAM_WEIGHTS_SHA: sha, schema.MODEL_PARAM_WEIGHTS: str(path)}, tags={schema.TAG_MODEL: name},
-                )
-                child.log_table(scored.cases, schema.ART_TEST_TABLE)
-                child.log_table(scored.retention, schema.ART_RETENTION_TABLE)
-            results[name] = scored.metrics
-            m = scored.metrics
-            print(
-                f"{name:<10} accuracy {m[schema.M_ACCURACY]:.3f}  retention NLL {m.get(schema.M_RETENTION_NLL, float('nan')):.4f}  "
-                f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f} cases/s  (run {child.run_id})",
-                flush=True,
-            )
-            del model
-            gc.collect()
+        start = time.perf_counter()
+        try:
+            results = _score_all(cfg, rec, held)
+        finally:
+            # The device was held from here to the end, failed or stopped too: the report sets it against the budget.
+            # A failure to record it must not take the error's place.
+            with contextlib.suppress(Exception):
+                rec.log_metrics(budget.spent_metrics(cfg, 1, time.perf_counter() - start))
     _print_table(cfg, results, rec.run_id)
     return 0
 
+
+def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, dict[str, float]]:
+    """Check the selection and every model, then score each in its own child run of `rec`."""
+    results: dict[str, dict[str, float]] = {}
+    plan_sha = require.committed_plan(cfg)
+    plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
+    rec.set_tags(plan_tags)
+    selection = require.selection(cfg, plan_sha, ledger.Ledger())
+    rec.set_tags(
+        {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
+        | {schema.TAG_SELECT_RUN: selection.select_run_id}
+    )
+    prepared = require.inputs(cfg)
+    if not prepared.test:
+        raise UserError(f"the final test set in {prepared.folder} is empty; nothing to score")
+    if not prepared.retention:
+        raise UserError(f"the retention probes in {prepared.folder} are empty; nothing to score")
+    seed = resolve_seed(cfg)
+    models = {schema.MODEL_NAME_SEED: (seed.path, seed.sha256)} | {
+        arm: (c.path, c.sha256) for arm, c in selection.candidates.items()
+    }
+    # Every model is checked before any is scored: a bad candidate should
+    # not surface after the seed's minutes of generation.
+    tokenizers = {name: scoring.load_tokenizer(path, name) for name, (path, _) in models.items()}
+    for name, (path, _) in models.items():
+        scoring.check_tokenizer(tokenizers[name], tokenizers[schema.MODEL_NAME_SEED], name)
+        scoring.check_weights(path, name)
+
+    files = prepared.manifest["files"]
+    read = data.dataset_files(prepared.folder, prepared.manifest, data.EVALUATION_FILES)
+    for name, (path, sha) in models.items():
+        tokenizer = tokenizers[name]
+        model = scoring.load_model(path, name, tokenizer)
+        with writer.stage_run(
+            schema.STAGE_EVALUATE,
+            cfg,
+            run_name=f"evaluate-{name}-{cfg.preset}",
+            tags=plan_tags | {schema.TAG_MODEL: name, schema.TAG_CHECKPOINT_SHA: sha},
+        ) as child:
+            held.note(run_id=child.run_id)
+            scored = scoring.score_model(model, tokenizer, prepared.test, prepared.retention, cfg.evaluate, name)
+            child.log_inputs(read, context="evaluation")
+            # The Models view compares the three, each figure on the file it was measured on.
+            child.log_model(
+                name, scored.metrics, _measured_on(scored.metrics, files),
+                params={schema.MODEL_PARAM_WEIGHTS_SHA: sha, schema.MODEL_PARAM_WEIGHTS: str(path)}, tags={schema.TAG_MODEL: name},
+            )
+            child.log_table(scored.cases, schema.ART_TEST_TABLE)
+            child.log_table(scored.retention, schema.ART_RETENTION_TABLE)
+        results[name] = scored.metrics
+        m = scored.metrics
+        print(
+            f"{name:<10} accuracy {m[schema.M_ACCURACY]:.3f}  retention NLL {m.get(schema.M_RETENTION_NLL, float('nan')):.4f}  "
+            f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f} cases/s  (run {child.run_id})",
+            flush=True,
+        )
+        del model
+        gc.collect()
+    return results
 
 def _measured_on(metrics: dict[str, float], files: dict[str, dict]) -> dict[str, tuple[str, str]]:
     """The prepared file each evaluation figure was measured on; the thread count has none."""

@@ -227,15 +227,7 @@ def train_arm(
 
 
 def _log_spent(rec: writer.Recorder, cfg: Config, workers: int, seconds: float, machine: dict[str, float] | None = None) -> None:
-    device_seconds = workers * seconds
-    rec.log_metrics(
-        {
-            schema.M_COMPLETE_SECONDS: seconds,
-            schema.M_DEVICE_SECONDS: device_seconds,
-            schema.M_COST_USD: budget.cost_usd(device_seconds, cfg.budget.hourly_price_usd),
-        }
-        | (machine or {})
-    )
+    rec.log_metrics(budget.spent_metrics(cfg, workers, seconds) | (machine or {}))
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
