@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.screens import RETENTION_COLUMNS, evaluate_role, train_role
-from coopstudy.commit import ledger, sources
+from coopstudy.commit import budget, ledger, sources
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store
@@ -161,11 +161,15 @@ class Records:
     budget: dict[str, Any] | None = None
     """The budget the plan committed (price, allocation, deadline, the probes'
     cost, the projected cost of probes and both arms); None without a plan."""
-    evaluate_spent: tuple[float, int] = (0.0, 0)
-    """(USD, runs): what the evaluate runs under the study spent, failed and stopped ones too."""
+    spent: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Per stage of SPENDING_STAGES, under the plan: (USD, runs that logged a
+    cost), failed and stopped runs too (commit.budget.stage_spent, which the
+    train guard sums as well); empty without a plan."""
 
 
 SELECT_ROLE = "select"
+SPENDING_STAGES = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
+"""The stages under a plan whose runs log what they spent (the probes' cost is the plan's own figure)."""
 
 
 def _newest_finished(experiment: str, tags: dict[str, str]):
@@ -279,28 +283,15 @@ def _update_table(client, arm: str, run_id: str) -> pd.DataFrame:
     return frame
 
 
-def _study_filter(key: StudyKey, plan_sha: str | None, stage: str) -> str:
-    """The runs of `stage` under the study's plan (else under `key`): a config's earlier plans are other studies."""
-    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
-    return f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{stage}'"
-
-
 def _study_runs(experiment: str, key: StudyKey, plan_sha: str | None, stage: str, by: str, values: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    """(value, run) for every run of `stage` under the study whose tag `by` holds each of `values`, oldest first."""
+    """(value, run) for every run of `stage` under the study's plan (else under
+    `key`) whose tag `by` holds each of `values`, oldest first: a config's
+    earlier plans are other studies."""
+    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
     for wanted in values:
-        flt = f"{_study_filter(key, plan_sha, stage)} and tags.`{by}` = '{wanted}'"
+        flt = f"tags.`{tag}` = '{value}' and tags.`{schema.TAG_STAGE}` = '{stage}' and tags.`{by}` = '{wanted}'"
         for run in store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",)):
             yield wanted, run
-
-
-def _evaluate_spent(experiment: str, key: StudyKey, plan_sha: str | None) -> tuple[float, int]:
-    """(cost, runs) of the evaluate runs under the study that logged a cost (the parents, which held the device)."""
-    spent = [
-        run.data.metrics[schema.M_COST_USD]
-        for run in store.search_runs(experiment, _study_filter(key, plan_sha, schema.STAGE_EVALUATE))
-        if schema.M_COST_USD in run.data.metrics
-    ]
-    return sum(spent), len(spent)
 
 
 def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[str, str]) -> pd.DataFrame:
@@ -500,5 +491,5 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),
         budget=planned.get("budget") if planned else None,
-        evaluate_spent=_evaluate_spent(cfg.experiment, key, plan_sha),
+        spent={stage: budget.stage_spent(cfg.experiment, plan_sha, stage) for stage in SPENDING_STAGES} if plan_sha else {},
     )

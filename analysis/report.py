@@ -2,8 +2,9 @@
 HTML page with plots.
 
 `build` turns the records and screens into one JSON-ready dict. It holds no
-timestamps and no id of the report's own run, so rebuilding it from the same
-tracking store gives the same bytes (`dumps`). The Markdown is written from
+time of its own making (only the runs' recorded starts and ends) and no id of
+the report's own run, so rebuilding it from the same tracking store gives the
+same bytes (`dumps`). The Markdown is written from
 that dict alone; the HTML adds plots drawn from the records' tables.
 """
 
@@ -17,7 +18,7 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
+from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, SPENDING_STAGES, Records
 from analysis.screens import evaluate_role
 from coopstudy import config as config_mod
 from coopstudy.config import ARMS, Config
@@ -133,20 +134,19 @@ def _retention_nll(records: Records) -> dict[str, Any]:
 
 def _budget(records: Records) -> dict[str, Any] | None:
     """What the study spent against the allocation its plan committed: the
-    probes, and every train and evaluate run under the plan (failed and stopped
-    ones too). None without a plan, which holds both."""
+    probes, and every train and evaluate run under the plan that logged a cost
+    (failed and stopped ones too). None without a plan, which holds both."""
     planned = records.budget
     if planned is None:
         return None
-    train = float(records.attempts["cost_usd"].fillna(0.0).sum())
-    evaluate, evaluate_runs = records.evaluate_spent
+    (train, train_runs), (evaluate, evaluate_runs) = (records.spent[stage] for stage in SPENDING_STAGES)
     return {
         "allocation_usd": planned["allocation_usd"],
         "deadline": planned["deadline"],
         "hourly_price_usd": planned["hourly_price_usd"],
         "probes_cost_usd": planned["probes_cost_usd"],
         "train_cost_usd": train,
-        "train_runs": int(records.attempts["cost_usd"].notna().sum()),
+        "train_runs": train_runs,
         "evaluate_cost_usd": evaluate,
         "evaluate_runs": evaluate_runs,
         "spent_usd": planned["probes_cost_usd"] + train + evaluate,
@@ -160,10 +160,12 @@ def budget_line(report: dict[str, Any]) -> str:
     if b is None:
         return "Budget: no plan in this study's record, so no allocation or projection to set its cost against."
     deadline = f", deadline {b['deadline']}" if b["deadline"] else ", no deadline"
+    over = b["spent_usd"] - b["allocation_usd"]
     return (
-        f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}{deadline} "
-        f"(at ${b['hourly_price_usd']:.2f} per device-hour): probes ${b['probes_cost_usd']:.2f}, "
-        f"{b['train_runs']} train run(s) ${b['train_cost_usd']:.2f}, {b['evaluate_runs']} evaluate run(s) ${b['evaluate_cost_usd']:.2f}. "
+        f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}{deadline}"
+        f"{f' (over by ${over:.2f})' if over > 0 else ''}, at ${b['hourly_price_usd']:.2f} per device-hour: "
+        f"probes ${b['probes_cost_usd']:.2f}, {b['train_runs']} train and {b['evaluate_runs']} evaluate run(s) that "
+        f"logged a cost ${b['train_cost_usd']:.2f} and ${b['evaluate_cost_usd']:.2f}. "
         f"The plan projected ${b['projected_cost_usd']:.2f} for the probes and one run of each arm."
     )
 
@@ -403,10 +405,12 @@ def attempts_line(report: dict[str, Any]) -> str:
     refused = {arm: n for arm in ARMS if (n := sum(a["arm"] == arm and a["refused"] for a in attempts))}
     if refused:
         said += f" Refused before training (counted apart): {', '.join(f'{arm} {n}' for arm, n in refused.items())}."
-    return f"{said} {_order(attempts)}"
+    return " ".join(filter(None, (said, _order(attempts))))
 
 
 def _order(attempts: list[dict[str, Any]]) -> str:
+    """Whether the timed runs kept the protocol's order, by their MLflow start and
+    end (the clocks of the hosts that opened them); nothing unless both arms have one."""
     timed = {a["arm"]: a for a in attempts if a["timed"]}
     if set(timed) != set(ARMS):
         return ""

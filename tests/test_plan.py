@@ -241,6 +241,16 @@ def test_an_arm_finished_under_the_plan_is_not_trained_again(planned, tiny_seed)
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [f"coopstudy train: error: {said}"])
     (refused,) = [r for r in _runs(TRAIN_RUNS) if r.info.run_id not in before]  # no arm run was opened
     assert refused.info.run_name == "train-both-tiny" and refused.info.status == "FAILED" and refused.data.tags[schema.TAG_ERROR] == said
+    # The arm alone: its own run, refused under the plan, which the report lists as the arm's `FAILED (refused)` attempt.
+    before = _train_run_ids()
+    done = run_cli("train", "--preset", "tiny", "--arm", "control")
+    assert done.returncode == 2 and said in done.stderr, done.stderr[-3000:]
+    (refused,) = [r for r in _runs(TRAIN_RUNS) if r.info.run_id not in before]
+    tags = refused.data.tags
+    assert (refused.info.status, tags[schema.TAG_ARM], tags[schema.TAG_PLAN], tags[schema.TAG_ERROR_KIND]) == (
+        "FAILED", "control", planned[0], "RefusedError"
+    )
+    assert schema.M_COST_USD not in refused.data.metrics  # it spent nothing
     assert candidates.first_finished(cfg, planned[0], "control").info.run_id == first
 
 

@@ -485,7 +485,8 @@ def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(ca
     md = (tmp_path / "report.md").read_text()
     started = next(a["started"] for a in report["train_attempts"] if a["run_id"] == faster)
     assert said in md and f"| compressed | {faster} | FINISHED | {started[:10]} {started[11:19]} | 20.0 | 30.0 |  |" in md
-    assert "| control | " in md and "| FAILED (refused) |" in md
+    refused = report["train_attempts"][-1]
+    assert f"| control | {refused['run_id']} | FAILED (refused) | {refused['started'][:10]} {refused['started'][11:19]} | n/a | n/a |  |" in md
 
 
 @pytest.mark.parametrize(
@@ -568,10 +569,17 @@ def test_the_report_sets_what_the_study_spent_against_the_plans_allocation(capsy
         "spent_usd": pytest.approx(0.33),
     }  # fmt: skip
     said = (
-        "Budget: spent $0.33 of the plan's allocation $100.00, no deadline (at $3.60 per device-hour): probes $0.05, "
-        "3 train run(s) $0.22, 1 evaluate run(s) $0.06. The plan projected $0.30 for the probes and one run of each arm."
+        "Budget: spent $0.33 of the plan's allocation $100.00, no deadline, at $3.60 per device-hour: probes $0.05, "
+        "3 train and 1 evaluate run(s) that logged a cost $0.22 and $0.06. "
+        "The plan projected $0.30 for the probes and one run of each arm."
     )
     assert said in " ".join(out.split()) and said in (tmp_path / "report.md").read_text()
+    # Past the allocation, the line says by how much.
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_PLAN: PLAN}) as rec:
+        rec.log_metrics({schema.M_COST_USD: 100.0})
+    rc, out, err = _report(capsys, "--plan", PLAN, "--out", str(tmp_path / "over"))
+    assert rc == 0, err
+    assert "Budget: spent $100.33 of the plan's allocation $100.00, no deadline (over by $0.33)," in " ".join(out.split())
     make_study(tiny)
     rc, out, err = _report(capsys, "--out", str(tmp_path / "no-plan"))
     assert rc == 0, err

@@ -47,15 +47,20 @@ def projection(cfg: Config, receipt: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def stage_spent(experiment: str, sha: str, stage: str) -> tuple[float, int]:
+    """(what the runs of `stage` under plan `sha` spent, how many logged a cost):
+    failed and stopped runs included (they used their devices too); a refusal
+    before launch logs none."""
+    runs = store.search_runs(experiment, f"tags.`{schema.TAG_PLAN}` = '{sha}' and tags.`{schema.TAG_STAGE}` = '{stage}'")
+    spent = [r.data.metrics[schema.M_COST_USD] for r in runs if schema.M_COST_USD in r.data.metrics]
+    return sum(spent), len(spent)
+
+
 def spent_usd(cfg: Config, sha: str, doc: dict[str, Any]) -> tuple[float, int]:
     """(what the plan has spent so far, how many train runs spent it): its
-    probes' cost plus the cost every earlier train run of this plan logged,
-    failed attempts included (they used their devices too)."""
-    runs = store.search_runs(
-        cfg.experiment, f"tags.`{schema.TAG_PLAN}` = '{sha}' and tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}'"
-    )
-    spent = [r.data.metrics[schema.M_COST_USD] for r in runs if schema.M_COST_USD in r.data.metrics]
-    return doc["budget"]["probes_cost_usd"] + sum(spent), len(spent)
+    probes' cost plus the cost every earlier train run of this plan logged."""
+    train, runs = stage_spent(cfg.experiment, sha, schema.STAGE_TRAIN)
+    return doc["budget"]["probes_cost_usd"] + train, runs
 
 
 @dataclass(frozen=True)

@@ -446,7 +446,7 @@ M_EVAL_THREADS = "eval/threads"
 
 # --- report -----------------------------------------------------------------
 ART_REPORT_JSON = "report.json"
-"""On the report run: every screen's estimate, bound, threshold, verdict and input run ids; no timestamps."""
+"""On the report run: every screen's estimate, bound, threshold, verdict and input run ids; no time of its own making (only the runs' recorded starts and ends), so rebuilt from the same store it is the same file."""
 ART_REPORT_MD = "report.md"
 """On the report run: the report as Markdown."""
 ART_REPORT_HTML = "report.html"

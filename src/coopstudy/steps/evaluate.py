@@ -53,11 +53,13 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             results = _score_all(cfg, rec, held)
-        finally:
-            # The device was held from here to the end, failed or stopped too: the report sets it against the budget.
-            # A failure to record it must not take the error's place.
+        except BaseException:
+            # A failed or stopped evaluate held the device too. A failure to record it must not take the error's place.
             with contextlib.suppress(Exception):
                 rec.log_metrics(budget.spent_metrics(cfg, 1, time.perf_counter() - start))
+            raise
+        # What it spent, which the report sets against the plan's budget.
+        rec.log_metrics(budget.spent_metrics(cfg, 1, time.perf_counter() - start))
     _print_table(cfg, results, rec.run_id)
     return 0
 
@@ -120,6 +122,7 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
         del model
         gc.collect()
     return results
+
 
 def _measured_on(metrics: dict[str, float], files: dict[str, dict]) -> dict[str, tuple[str, str]]:
     """The prepared file each evaluation figure was measured on; the thread count has none."""

@@ -32,8 +32,8 @@ Computes the five screens (accuracy gain, retention, non-inferiority, active and
 complete-process speedup) and the cost figures beside them.
 
 Writes {schema.ART_REPORT_JSON} (every screen's estimate, bound, threshold, verdict and input
-run ids; the quality and speed verdicts; no timestamps, so rebuilding it from the
-same store gives the same file), {schema.ART_REPORT_MD} and {schema.ART_REPORT_HTML} (with plots) to --out
+run ids; the quality and speed verdicts; no time of its own making, only the runs'
+recorded starts and ends, so rebuilding it from the same store gives the same file), {schema.ART_REPORT_MD} and {schema.ART_REPORT_HTML} (with plots) to --out
 (default: <home>/reports/<plan|config>-<sha>/) and to this step's run, with the
 verdicts as tags and the screens as metrics; prints the screens."""
 
