@@ -2,8 +2,9 @@
 `mlflow run . -e train` on a fresh store runs the steps train needs first,
 `study` finishes the rest, a second `study` reuses every step, touching a
 numerical source reruns verify and what follows it, and `report` alone
-rebuilds the same report.json from the tracking store. Then the same study
-again from scratch, by `python -m coopstudy study`, agrees with it to the byte."""
+rebuilds the same report.json from the tracking store. Prepare from scratch
+(the seed made again) and both arms trained again under a plan committed
+again agree with the first study to the byte."""
 
 from __future__ import annotations
 
@@ -70,9 +71,8 @@ def copy(tmp_path_factory, tiny_seed_home) -> Copy:
     return Copy(root, base)
 
 
-def _outcome(home: Path) -> dict:
-    """What a finished study left in its workspace that must not depend on the run."""
-    (report_file,) = (home / "reports").glob("*/report.json")
+def _prepared(home: Path) -> dict:
+    """What prepare left in a workspace that must not depend on the run."""
     ledger = [json.loads(line) for line in (home / "ledger.jsonl").read_text().splitlines()]
     (inputs,) = [e for e in ledger if e["kind"] == "inputs"]
     (folder,) = (home / "prepared").iterdir()
@@ -80,8 +80,13 @@ def _outcome(home: Path) -> dict:
         "inputs": inputs["digest"],
         "manifest": json.loads((folder / "manifest.json").read_text()),
         "seeds": sorted(p.name for p in (home / "seeds").iterdir()),
-        "report": json.loads(report_file.read_text()),
     }
+
+
+def _outcome(home: Path) -> dict:
+    """What a finished study left in its workspace that must not depend on the run."""
+    (report_file,) = (home / "reports").glob("*/report.json")
+    return _prepared(home) | {"report": json.loads(report_file.read_text())}
 
 
 @dataclass(frozen=True)
@@ -194,27 +199,29 @@ def _without_runs(value):
     return value
 
 
-def test_a_study_from_scratch_agrees_to_the_byte(first, tmp_path):
-    # Reproducible on CPU: a fresh COOPSTUDY_HOME and SQLite store, the seed
-    # made again, the steps started the other way (one command, not mlflow run).
+def test_prepare_from_scratch_agrees_to_the_byte(first, tmp_path):
+    # Reproducible on CPU: a fresh COOPSTUDY_HOME and SQLite store, the seed made
+    # again, prepare started the other way (by itself, not by mlflow run). That
+    # training again gives the same weights and screens is the plan committed again below.
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
     env |= {"COOPSTUDY_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    done = subprocess.run([sys.executable, "-m", "coopstudy", "study", "--preset", "tiny"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     # The seed was made here: the libraries' lines while saving it (a progress
-    # bar, DeepSpeed's warning that it found no GPU) stay out of the study's.
+    # bar, DeepSpeed's warning that it found no GPU) stay out of the step's.
     assert "Writing model shards" not in done.stderr, done.stderr[-4000:]
     assert not [line for line in done.stdout.splitlines() if "[WARNING]" in line], done.stdout[:4000]
-    one, two = first.outcome, _outcome(home)
-
+    one, two = first.outcome, _prepared(home)
     assert one["seeds"] == two["seeds"]
     assert one["inputs"] == two["inputs"]
     assert one["manifest"] == two["manifest"]  # every prepared file's sha256, the seed's included
-    a, b = one["report"], two["report"]
+
+
+def _same_study(a: dict, b: dict) -> None:
+    """Two report.json of one config agree on everything but timings and run ids."""
     assert a["candidates"] == b["candidates"], "the final weights of both arms hash the same"
-    assert a["inputs"]["sha256"] == b["inputs"]["sha256"] == one["inputs"]
     screens_a = {s["name"]: s for s in a["screens"]}
     screens_b = {s["name"]: s for s in b["screens"]}
     assert screens_a.keys() == screens_b.keys()
@@ -377,7 +384,8 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
 def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     """A study of another config passes its own gate; the first config's plan
     keeps the gate it binds. A plan committed again (probe rerun by hand)
-    reruns every step after it, though their keys are the same."""
+    reruns every step after it, though their keys are the same, and training
+    again in other processes gives the same weights, losses and screens."""
     client = mlflow.MlflowClient(tracking_uri=copy.env["MLFLOW_TRACKING_URI"])
     # Every plan run so far committed the one plan (an earlier test ran the step again, "unchanged").
     planned, *again_unchanged = copy.runs("plan")
@@ -415,6 +423,10 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     # Training records the plan's gate, not the newest one (the other config's).
     assert {r.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] for r in copy.runs("train")[:2]} == {gate}
     assert client.get_run(copy.runs("report")[0].info.run_id).info.status == "FINISHED"
+    # Reproducible on CPU: the arms trained again, by `study`, not `mlflow run -e train`, agree to the byte.
+    again_report = _outcome(Path(copy.env["COOPSTUDY_HOME"]))["report"]  # the config's report, written again
+    assert again_report["study"]["plan_sha256"] == replanned.data.tags[schema.TAG_PLAN]
+    _same_study(first.outcome["report"], again_report)
 
 
 def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
