@@ -276,10 +276,13 @@ def test_the_record_is_native_in_mlflow(first, copy):
     report = copy.runs("report")[0]
     md = Path(mlflow.artifacts.download_artifacts(run_id=report.info.run_id, artifact_path=schema.ART_REPORT_MD,
                                                   tracking_uri=copy.env["MLFLOW_TRACKING_URI"]))  # fmt: skip
-    # The run page shows the report itself: whole, or cut at MLflow's longest tag and saying where the rest is.
+    # The run page shows the report itself: whole, or whole sections up to MLflow's longest tag, naming the others.
     note, whole = report.data.tags["mlflow.note.content"], md.read_text()
-    cut = f"\n\n... (cut here: the whole report is {schema.ART_REPORT_MD} among this run's artifacts)"
-    assert note == whole or (len(note) == 8000 and note.endswith(cut) and whole.startswith(note.removesuffix(cut))), note[-300:]
+    head, _, tail = note.rpartition("\n\n... (")
+    if note != whole:
+        left = [line.removeprefix("## ") for line in whole[len(head):].splitlines() if line.startswith("## ")]
+        assert len(note) <= 8000 and whole.startswith(head) and whole[len(head):].lstrip().startswith("## "), note[-300:]
+        assert tail == f"{'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, MLflow keeping 8,000 characters of a description)"
     assert "## Screens (pre-registered)" in note
     figures = [f.path for f in client.list_artifacts(report.info.run_id, schema.ART_FIGURES)]
     assert figures and all(f.endswith(".png") for f in figures)

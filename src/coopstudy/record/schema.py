@@ -563,13 +563,18 @@ def _intro() -> str:
     return (
         "Every name below is a constant in `src/coopstudy/record/schema.py`, which analysis imports, and its "
         "meaning is that constant's docstring (`python -m coopstudy.record.schema` prints this section). "
-        f"Every run carries `{TAG_STAGE}`, `{TAG_PRESET}`, `{TAG_CONFIG_SHA}`, the git commit (`{TAG_GIT_COMMIT}`), "
+        f"Every run in the study's experiment carries `{TAG_STAGE}`, `{TAG_PRESET}`, `{TAG_CONFIG_SHA}`, the git commit (`{TAG_GIT_COMMIT}`), "
         f"the whole resolved config as params (dotted keys, e.g. `train.lr`; each value as `{ART_CONFIG}` writes it, "
         f"so `--set train.lr=2e-4` is the param `0.0002`; `preset` is the tag alone) and `{ART_CONFIG}`; "
         f"runs from the plan on also carry `{TAG_PLAN}`. "
         "Query the record with MLflow's search API, e.g. "
         f"``mlflow.search_runs(experiment_names=[\"coopstudy\"], filter_string=\"tags.`{TAG_STAGE}` = '{STAGE_TRAIN}' "
-        f"and tags.`{TAG_PLAN}` = '<sha>'\")``."
+        f"and tags.`{TAG_PLAN}` = '<sha>' and tags.`{TAG_ARM}` != ''\")`` for the arms' train runs of a plan "
+        f"(without the arm filter, a refused `train --arm both` run is among them). `<sha>` is all 64 digits (the "
+        f"`plan ... committed` line, report.json's `study.plan_sha256`, the plan run's `{TAG_PLAN}`); with the 12 "
+        f"digits the steps print, write `LIKE '<12 digits>%'`. The timed runs are the select run's "
+        f"`{TAG_CANDIDATE_RUN_PREFIX}<arm>` tags. `mlflow.load_table(\"{ART_TEST_TABLE}\", run_ids=[...])` searches "
+        "the active experiment: call `mlflow.set_experiment(\"coopstudy\")` first."
     )
 
 

@@ -16,6 +16,10 @@ from coopstudy.record import schema, writer
 if TYPE_CHECKING:
     from analysis.screens import Screen
 
+NOTE_LIMIT = 8000
+"""MLflow's longest tag value."""
+
+
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
 DESCRIPTION = f"""\
 Judges the study by its pre-registered screens and writes the report.
@@ -32,10 +36,14 @@ Computes the five screens (accuracy gain, retention, non-inferiority, active and
 complete-process speedup) and the cost figures beside them.
 
 Writes {schema.ART_REPORT_JSON} (every screen's estimate, bound, threshold, verdict and input
-run ids; the quality and speed verdicts; no time of its own making, only the runs'
-recorded starts and ends, so rebuilding it from the same store gives the same file), {schema.ART_REPORT_MD} and {schema.ART_REPORT_HTML} (with plots) to --out
-(default: <home>/reports/<plan|config>-<sha>/) and to this step's run, with the
-verdicts as tags and the screens as metrics; prints the screens."""
+run ids; the quality and speed verdicts; the budget; every train and evaluate
+attempt; no time of its own making, only the runs' recorded starts and ends, so
+rebuilding it from the same store gives the same file), {schema.ART_REPORT_MD},
+{schema.ART_REPORT_HTML} (with plots) and the plots as PNG files ({schema.ART_FIGURES}/) to --out
+(default: <home>/reports/<plan|config>-<first 12 digits of the sha>/) and to this
+step's run, with the verdicts as tags, the screens as metrics and report.md as the
+run's description (whole sections up to the {NOTE_LIMIT:,} characters MLflow keeps);
+prints the screens."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,15 +101,23 @@ NOTE_TAG = "mlflow.note.content"
 """The run tag MLflow's UI shows as the run's description (markdown)."""
 
 
-NOTE_LIMIT = 8000
-"""MLflow's longest tag value."""
-
-
 def _note(markdown: str) -> str:
+    """The report as its run's description: whole where MLflow keeps it, else cut
+    before the first section that does not fit (never mid-sentence), naming
+    the sections left out."""
     if len(markdown) <= NOTE_LIMIT:
         return markdown
-    tail = f"\n\n... (cut here: the whole report is {schema.ART_REPORT_MD} among this run's artifacts)"
+    for cut in reversed([m.start() for m in re.finditer(r"^## ", markdown, re.M)]):
+        left = [line.removeprefix("## ") for line in markdown[cut:].splitlines() if line.startswith("## ")]
+        tail = f"\n\n... ({'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
+        if cut + len(tail) <= NOTE_LIMIT:
+            return markdown[:cut].rstrip() + tail
+    tail = f"\n\n... (the rest is in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
     return markdown[: NOTE_LIMIT - len(tail)] + tail
+
+
+NOTE_CUT = f"MLflow keeping {NOTE_LIMIT:,} characters of a description"
+"""Why the run's description stops short of report.md."""
 
 
 def _slug(title: str) -> str:
