@@ -144,9 +144,10 @@ class Records:
     attempts: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per train run under the study's plan (else its key), whatever
     its status, oldest first across the arms: arm, run_id, status, started and
-    ended (ISO-8601 UTC; ended None while it runs), refused (FAILED by a refusal
-    before it trained: a finished arm, the budget, the lock, a changed
-    commitment), active_seconds, complete_seconds, cost_usd (each NaN when not
+    ended (ISO-8601 UTC; ended None while it runs), refused (FAILED by a
+    RefusedError before it trained: the arm finished under the plan already, or
+    the budget; a refusal before the plan is read tags no plan and is not
+    here), active_seconds, complete_seconds, cost_usd (each NaN when not
     logged), timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     evaluations: pd.DataFrame = field(default_factory=pd.DataFrame)
