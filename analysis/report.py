@@ -162,8 +162,8 @@ def budget_line(report: dict[str, Any]) -> str:
     deadline = f", deadline {b['deadline']}" if b["deadline"] else ", no deadline"
     over = b["spent_usd"] - b["allocation_usd"]
     return (
-        f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}{deadline}"
-        f"{f' (over by ${over:.2f})' if over > 0 else ''}, at ${b['hourly_price_usd']:.2f} per device-hour: "
+        f"Budget: spent ${b['spent_usd']:.2f} of the plan's allocation ${b['allocation_usd']:.2f}"
+        f"{f' (over by ${over:.2f})' if over > 0 else ''}{deadline}, at ${b['hourly_price_usd']:.2f} per device-hour: "
         f"probes ${b['probes_cost_usd']:.2f}, {b['train_runs']} train and {b['evaluate_runs']} evaluate run(s) that "
         f"logged a cost ${b['train_cost_usd']:.2f} and ${b['evaluate_cost_usd']:.2f}. "
         f"The plan projected ${b['projected_cost_usd']:.2f} for the probes and one run of each arm."

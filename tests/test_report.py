@@ -579,7 +579,7 @@ def test_the_report_sets_what_the_study_spent_against_the_plans_allocation(capsy
         rec.log_metrics({schema.M_COST_USD: 100.0})
     rc, out, err = _report(capsys, "--plan", PLAN, "--out", str(tmp_path / "over"))
     assert rc == 0, err
-    assert "Budget: spent $100.33 of the plan's allocation $100.00, no deadline (over by $0.33)," in " ".join(out.split())
+    assert "Budget: spent $100.33 of the plan's allocation $100.00 (over by $0.33), no deadline," in " ".join(out.split())
     make_study(tiny)
     rc, out, err = _report(capsys, "--out", str(tmp_path / "no-plan"))
     assert rc == 0, err
@@ -685,3 +685,20 @@ def test_report_refuses_when_a_source_the_plan_binds_changed(capsys, tiny):
     # Without --plan the runs name the plan, and the same check holds.
     rc, _, err = _report(capsys)
     assert rc == 2 and "source analysis/screens.py (changed)" in err
+
+
+def test_the_report_runs_description_is_whole_sections_up_to_mlflows_limit():
+    from coopstudy.steps import report as step
+
+    tail = f"in {schema.ART_REPORT_MD} among this run's artifacts, {step.NOTE_CUT})"
+    whole = "# T\n\n## A\n\n" + "a" * (step.NOTE_LIMIT - len("# T\n\n## A\n\n"))
+    assert len(whole) == step.NOTE_LIMIT and step._note(whole) == whole
+    # The longest head of whole sections that fits, and the names of the rest.
+    md = "# T\n\n## A\n\n" + "a" * 5000 + "\n\n## B\n\n" + "b" * 2500 + "\n\n## C\n\nc\n\n## D\n\n" + "d" * 3000
+    note = step._note(md)
+    assert note == md[: md.index("\n\n## D")] + f"\n\n... (D: {tail}" and len(note) <= step.NOTE_LIMIT
+    longer = md.replace("## C\n\nc", "## C\n\n" + "c" * 400)
+    assert step._note(longer) == md[: md.index("\n\n## C")] + f"\n\n... (C; D: {tail}"
+    # No section fits whole: cut between paragraphs, never inside one.
+    note = step._note("# T\n\n## A\n\n" + "p" * 3000 + "\n\n" + "q" * 6000)
+    assert note == "# T\n\n## A\n\n" + "p" * 3000 + f"\n\n... (the rest is {tail}"

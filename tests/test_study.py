@@ -4,7 +4,9 @@
 numerical source reruns verify and what follows it, and `report` alone
 rebuilds the same report.json from the tracking store. Prepare from scratch
 (the seed made again) and both arms trained again under a plan committed
-again agree with the first study to the byte."""
+again agree with the first study to the byte. (No test runs a whole `study`
+on an empty store: `mlflow run -e train` then `study` covers the steps, and
+the prepare from scratch the seed's making and its quiet output.)"""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from fixtures import Server, checkout_copy, run_cli
 from coopstudy import config, study
 from coopstudy.commit import sources
 from coopstudy.record import schema, store
+from coopstudy.steps import report as report_step
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -282,7 +285,7 @@ def test_the_record_is_native_in_mlflow(first, copy):
     if note != whole:
         left = [line.removeprefix("## ") for line in whole[len(head):].splitlines() if line.startswith("## ")]
         assert len(note) <= 8000 and whole.startswith(head) and whole[len(head):].lstrip().startswith("## "), note[-300:]
-        assert tail == f"{'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, MLflow keeping 8,000 characters of a description)"
+        assert tail == f"{'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, {report_step.NOTE_CUT})"
     assert "## Screens (pre-registered)" in note
     figures = [f.path for f in client.list_artifacts(report.info.run_id, schema.ART_FIGURES)]
     assert figures and all(f.endswith(".png") for f in figures)
@@ -427,8 +430,10 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
     assert {r.data.tags[schema.TAG_REQUIRES_PREFIX + "gate"] for r in copy.runs("train")[:2]} == {gate}
     assert client.get_run(copy.runs("report")[0].info.run_id).info.status == "FINISHED"
     # Reproducible on CPU: the arms trained again, by `study`, not `mlflow run -e train`, agree to the byte.
-    again_report = _outcome(Path(copy.env["COOPSTUDY_HOME"]))["report"]  # the config's report, written again
+    (written,) = (Path(copy.env["COOPSTUDY_HOME"]) / "reports").glob("*/report.json")  # the config's report, written again
+    again_report = json.loads(written.read_text())
     assert again_report["study"]["plan_sha256"] == replanned.data.tags[schema.TAG_PLAN]
+    assert again_report["inputs"]["sha256"] == first.outcome["inputs"]
     _same_study(first.outcome["report"], again_report)
 
 

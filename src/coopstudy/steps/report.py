@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 NOTE_LIMIT = 8000
 """MLflow's longest tag value."""
+NOTE_CUT = f"MLflow keeping {NOTE_LIMIT:,} characters of a description"
+"""Why the run's description stops short of report.md."""
+REPORT_FOLDER = "<home>/reports/<plan|config>-<first 12 digits of the sha>/"
+"""Where the report's files go unless --out names a folder."""
 
 
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
@@ -40,7 +44,7 @@ run ids; the quality and speed verdicts; the budget; every train and evaluate
 attempt; no time of its own making, only the runs' recorded starts and ends, so
 rebuilding it from the same store gives the same file), {schema.ART_REPORT_MD},
 {schema.ART_REPORT_HTML} (with plots) and the plots as PNG files ({schema.ART_FIGURES}/) to --out
-(default: <home>/reports/<plan|config>-<first 12 digits of the sha>/) and to this
+(default: {REPORT_FOLDER}) and to this
 step's run, with the verdicts as tags, the screens as metrics and report.md as the
 run's description (whole sections up to the {NOTE_LIMIT:,} characters MLflow keeps);
 prints the screens."""
@@ -49,7 +53,7 @@ prints the screens."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="SHA", help="report the study committed under this plan sha, whole or its first 12 or more digits, "
         "with the study's --preset and --set (default: this config's runs)")
-    parser.add_argument("--out", metavar="DIR", help="folder for the report files (default: <home>/reports/<plan|config>-<sha>/)")
+    parser.add_argument("--out", metavar="DIR", help=f"folder for the report files (default: {REPORT_FOLDER})")
 
 
 def _key_metrics(screens: list[Screen]) -> dict[str, float]:
@@ -103,21 +107,19 @@ NOTE_TAG = "mlflow.note.content"
 
 def _note(markdown: str) -> str:
     """The report as its run's description: whole where MLflow keeps it, else cut
-    before the first section that does not fit (never mid-sentence), naming
-    the sections left out."""
+    before the first section that does not fit, naming the sections left out
+    (where not even the first fits, between its paragraphs)."""
     if len(markdown) <= NOTE_LIMIT:
         return markdown
-    for cut in reversed([m.start() for m in re.finditer(r"^## ", markdown, re.M)]):
+    # A cut keeps at least the first section; one that cannot fit whole is cut between paragraphs.
+    for cut in reversed([m.start() for m in re.finditer(r"^## ", markdown, re.M)][1:]):
         left = [line.removeprefix("## ") for line in markdown[cut:].splitlines() if line.startswith("## ")]
         tail = f"\n\n... ({'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
         if cut + len(tail) <= NOTE_LIMIT:
             return markdown[:cut].rstrip() + tail
     tail = f"\n\n... (the rest is in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
-    return markdown[: NOTE_LIMIT - len(tail)] + tail
-
-
-NOTE_CUT = f"MLflow keeping {NOTE_LIMIT:,} characters of a description"
-"""Why the run's description stops short of report.md."""
+    head = markdown[: NOTE_LIMIT - len(tail)]
+    return head[: head.rfind("\n\n")].rstrip() + tail if "\n\n" in head else head + tail
 
 
 def _slug(title: str) -> str:
