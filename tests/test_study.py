@@ -135,21 +135,24 @@ def test_second_study_reuses_every_step(first, copy):
 
 
 def test_a_change_that_binds_no_number_trains_and_selects_nothing_again(first, copy):
-    # steps/plan.py binds no number, so the plan stays the one in force, but every later
+    # steps/plan.py binds no number, so the plan stays the one in force, but the plan
     # step's key changes with it. Before, the study then trained both arms again (and select
     # took the newest runs); train now refuses an arm finished under the plan, so the study
-    # takes the plan's runs, whatever key they carry.
+    # takes the plan's runs, whatever key they carry. Then evaluate and report ran again
+    # on the same selection, their keys chaining from the plan's; the plan's steps now hash no upstream key.
     trained = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train")}
+    scored = len(copy.runs("evaluate"))
     source = copy.root / "src" / "coopstudy" / "steps" / "plan.py"
     original = source.read_text()
     source.write_text(original + "\n# touched\n")
     try:
-        again = copy.coopstudy("study", "--preset", "tiny", "--through", "select")
+        again = copy.coopstudy("study", "--preset", "tiny")
     finally:
         source.write_text(original)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _steps(again.stdout, "running") == ["plan"]
-    assert _steps(again.stdout, "reused") == ["prepare", "verify", "probe", "train-control", "train-compressed", "select"]
+    assert _steps(again.stdout, "reused") == [n for n in study.STEP_NAMES if n != "plan"]
+    assert len(copy.runs("evaluate")) == scored
     plan = trained["control"].data.tags[schema.TAG_PLAN]
     for arm, run in trained.items():
         assert f"study: train-{arm}: reused run {run.info.run_id} (the arm's first finished run under plan {plan[:12]})" in again.stdout
@@ -245,17 +248,20 @@ def _same_study(a: dict, b: dict) -> None:
             assert a["resources"]["arms"][arm][key] == b["resources"]["arms"][arm][key], (arm, key)
 
 
-def test_upstream_change_changes_every_later_key():
+def test_upstream_change_changes_every_later_key_up_to_the_plans_steps():
     cfg = config.load("tiny")
     keys: dict[str, str] = {}
     for step in study.STEPS:
         keys[step.name] = study.step_key(step, cfg, keys)
-    changed = dict(keys, verify="0" * 64)
-    after_verify = {s.name for s in study.STEPS[study.STEP_NAMES.index("verify") + 1 :]}
-    redone: dict[str, str] = {"prepare": keys["prepare"], "verify": changed["verify"]}
+    redone: dict[str, str] = {"prepare": keys["prepare"], "verify": "0" * 64}
     for step in study.STEPS[2:]:
         redone[step.name] = study.step_key(step, cfg, redone)
-    assert {n for n in after_verify if redone[n] != keys[n]} == after_verify
+    # Up to the plan, a changed upstream key reruns a step; from the plan's own
+    # steps on, the plan in force does (train and select are the plan's, and
+    # evaluate and report rerun when it is not the plan they ran under).
+    assert {n for n in study.STEP_NAMES[2:] if redone[n] != keys[n]} == {"probe", "plan"}
+    after_plan = study.STEPS[study.STEP_NAMES.index("plan") + 1 :]
+    assert all(s.planned or s.still_valid in (study._under_plan_ok, study._checkpoint_ok) for s in after_plan)
 
 
 def test_every_module_belongs_to_a_step():

@@ -7,7 +7,11 @@ own source files and the keys of the steps it depends on, so changed code or
 a rerun upstream step reruns it and everything after it. The steps made once
 per plan are the plan's, whatever key their runs carry (Step.planned): each
 arm's first finished train run under the plan in force, and the plan's
-selection; where such a run's weights are lost, the study stops. A step
+selection; where such a run's weights are lost, the study stops. Their keys
+hash no upstream key, and the steps after them run again when the plan in
+force is not the one their run ran under: so a plan committed again reruns
+them, and a change that leaves the plan as it was (one binding no number)
+reruns none. A step
 started by itself with the study's arguments carries the same key
 (standalone_keys), so steps run one by one and a study make one record.
 """
@@ -214,7 +218,11 @@ def step_key(step: Step, cfg: Config, upstream: dict[str, str]) -> str:
         "argv": step.argv,
         "config": store.config_sha256(cfg),
         "sources": sources_digest(step),
-        "after": {name: upstream[name] for name in step.after},
+        # The plan's steps hash no upstream key: the plan in force, not a key, says
+        # which run is theirs, and every step after the plan checks it. Else a
+        # change upstream that binds no number (the plan step's own sources, say)
+        # would rerun evaluate and report after the same training and selection.
+        "after": {} if step.planned else {name: upstream[name] for name in step.after},
     }
     return workspace.sha256_bytes(json.dumps(body, sort_keys=True).encode())
 
