@@ -450,8 +450,9 @@ def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
     assert touched.returncode == 0, touched.stderr[-3000:]
     assert _steps(touched.stdout, "reused") == ["prepare"]
     assert _steps(touched.stdout, "running") == ["verify"]
-    # Every later step's key chains from verify's, so all of them rerun too
-    # (test_upstream_change_changes_every_later_key); training refuses meanwhile.
+    # Every later step reruns too: probe and plan by their keys, which chain from verify's,
+    # the rest by the plan in force (test_upstream_change_changes_every_later_key_up_to_the_plans_steps);
+    # training refuses meanwhile.
     refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
     assert refused.returncode == 2
     assert "objective.py" in refused.stderr
