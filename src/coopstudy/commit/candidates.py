@@ -115,8 +115,7 @@ def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
     refuses, naming every arm, when one has not finished."""
     found: dict[str, Candidate] = {}
     problems = []
-    todo = []
-    """Arms with no finished run: those that can still train under the plan."""
+    todo = []  # arms with no finished run: those that can still train under the plan
     for arm in ARMS:
         run = first_finished(cfg, plan_sha, arm)
         if run is None:

@@ -111,15 +111,18 @@ def _note(markdown: str) -> str:
     (where not even the first fits, between its paragraphs)."""
     if len(markdown) <= NOTE_LIMIT:
         return markdown
+    def tail(what: str) -> str:
+        return f"\n\n... ({what} in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
+
     # A cut keeps at least the first section; one that cannot fit whole is cut between paragraphs.
     for cut in reversed([m.start() for m in re.finditer(r"^## ", markdown, re.M)][1:]):
         left = [line.removeprefix("## ") for line in markdown[cut:].splitlines() if line.startswith("## ")]
-        tail = f"\n\n... ({'; '.join(left)}: in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
-        if cut + len(tail) <= NOTE_LIMIT:
-            return markdown[:cut].rstrip() + tail
-    tail = f"\n\n... (the rest is in {schema.ART_REPORT_MD} among this run's artifacts, {NOTE_CUT})"
-    head = markdown[: NOTE_LIMIT - len(tail)]
-    return head[: head.rfind("\n\n")].rstrip() + tail if "\n\n" in head else head + tail
+        said = tail(f"{'; '.join(left)}:")
+        if cut + len(said) <= NOTE_LIMIT:
+            return markdown[:cut].rstrip() + said
+    said = tail("the rest is")
+    head = markdown[: NOTE_LIMIT - len(said)]
+    return head[: head.rfind("\n\n")].rstrip() + said if "\n\n" in head else head + said
 
 
 def _slug(title: str) -> str:
