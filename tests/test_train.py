@@ -376,3 +376,19 @@ def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
             raise RefusedError("compressed arm failed") from err
     except RefusedError as wrapped:
         assert outbox.reason(wrapped) == "connection refused"
+
+
+def test_a_stop_inside_the_comm_hooks_callback_is_told_as_the_stop(monkeypatch):
+    # torch re-raised a SIGTERM that landed in the PowerSGD hook's future callback as
+    # "RuntimeError: Got the following error when running the callback: Stopped: ...",
+    # with no cause; the rank recorded that, not its stop (seen once in CI).
+    monkeypatch.setattr(worker, "_STOPS", [])
+    try:
+        worker._on_sigterm(signal.SIGTERM, None)
+    except errors.Stopped as stop:
+        wrapped = RuntimeError(f"Got the following error when running the callback: {stop}")
+        wrapped.__context__ = None
+    assert worker._known_cause(wrapped) is worker._STOPS[0]
+    assert str(worker._known_cause(wrapped)).startswith("stopped by SIGTERM")
+    monkeypatch.setattr(worker, "_STOPS", [])
+    assert worker._known_cause(RuntimeError("a bug")) is None

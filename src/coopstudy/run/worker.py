@@ -335,7 +335,15 @@ def _ending() -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise Stopped(f"stopped by {signal.Signals(signum).name} (sent to every rank once one has failed, or when the job is stopped)")
+    stop = Stopped(f"stopped by {signal.Signals(signum).name} (sent to every rank once one has failed, or when the job is stopped)")
+    _STOPS.append(stop)
+    raise stop
+
+
+_STOPS: list[Stopped] = []
+"""The stops this process was sent (main clears it): torch re-raises an
+exception from a future's callback (the comm hook's) as a RuntimeError that
+keeps only its text, so the chain alone may not show the stop behind an error."""
 
 
 def _positive(raw: str) -> int:
@@ -366,6 +374,7 @@ def main(args: argparse.Namespace) -> int:
     # second host gets only what DeepSpeed forwards, so the process sets it
     # itself, before CUDA's allocator reads it on the first allocation.
     launch.set_allocator(os.environ, args.allocator)
+    _STOPS.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
     rank = distributed.env_rank()
     probing = capacity.RankProbe(args.run_id, rank, args.capacity_mb) if args.probe else None
@@ -403,13 +412,14 @@ def main(args: argparse.Namespace) -> int:
 def _known_cause(err: BaseException) -> UserError | Stopped | None:
     """A stop or a user's mistake behind `err`: a SIGTERM that lands inside
     MLflow's write of the record comes out as MLflow's exception raised from
-    it. Only causes: an error raised while handling another is its own."""
+    it. Only causes: an error raised while handling another is its own. An
+    error after this process was stopped is the stop's (_STOPS)."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, (UserError, Stopped)):
             return seen
         seen = seen.__cause__
-    return None
+    return _STOPS[0] if _STOPS else None
 
 
 def _report(probing: capacity.RankProbe | None, err: BaseException) -> None:
