@@ -174,18 +174,19 @@ def gain_sensitivity(
     threshold + z se, fails so only below threshold - z se). A PASS has power
     when the interval excludes no gain (Tango's lower limit above 0).
 
-    With no discordant case the observed standard error is 0, which would put
-    the band at the threshold itself; the standard error Tango's interval
-    implies (half-width / z of the level) stands in, and `se_from` says so."""
-    discordant = table.n10 + table.n01
+    Where the observed standard error is 0 (no discordant case, or every case
+    discordant the same way) it would put the band at the threshold itself;
+    the standard error Tango's interval implies (half-width / z of the level)
+    stands in, and `se_from` says so."""
     half = (tango.upper - tango.lower) / 2
-    se = stats.paired_se(table) if discordant else half / float(sps.norm.ppf((1 + level) / 2))
+    observed = stats.paired_se(table)
+    se = observed or half / float(sps.norm.ppf((1 + level) / 2))
     z = float(sps.norm.ppf(POWER))
     sens = {
         "half_width": half,
         "newcombe_half_width": (newcombe.upper - newcombe.lower) / 2,
         "se": se,
-        "se_from": "paired cases" if discordant else "Tango's interval (no discordant case)",
+        "se_from": "paired cases" if observed else "Tango's interval (the paired cases' standard error is 0)",
         "lower_minus_threshold": tango.lower - threshold,
         "pass_likely_above": threshold + z * se,
         "fail_likely_below": threshold - z * se,

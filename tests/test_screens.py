@@ -269,16 +269,26 @@ def test_gain_sensitivity_is_the_band_where_the_verdict_is_a_coin_toss():
     assert s.sensitivity["lower_minus_threshold"] == pytest.approx(s.interval[0] - 0.10)
 
 
-def test_gain_sensitivity_without_discordant_cases_is_not_the_threshold_itself():
-    # 16 cases every one wrong for both models: the observed se is 0, and
-    # "passes w.p. 80% from a true +10.0 pts" would be false (at the threshold it is a coin toss).
-    s = sc.accuracy_gain(_gain_cases(0, 0, 0, 16), CFG)
+@pytest.mark.parametrize(
+    "table",
+    [(0, 0, 0, 16), (0, 160, 0, 0), (0, 0, 40, 0)],
+    ids=["no discordant case", "every case right for the compressed alone", "every case right for the seed alone"],
+)
+def test_gain_sensitivity_where_the_paired_se_is_0_is_not_the_threshold_itself(table):
+    # The observed se is 0, and "passes w.p. 80% from a true +10.0 pts" would
+    # be false (at the threshold it is a coin toss). Before, a table discordant
+    # only one way kept the observed 0.
+    s = sc.accuracy_gain(_gain_cases(*table), CFG)
     half = (s.interval[1] - s.interval[0]) / 2
     se = half / sps.norm.ppf(0.975)
-    assert s.sensitivity["se"] == pytest.approx(se) and se > 0.05
+    assert s.sensitivity["se"] == pytest.approx(se) and se > 0.005
     assert s.sensitivity["pass_likely_above"] == pytest.approx(0.10 + sps.norm.ppf(0.8) * se)
+    assert s.sensitivity["fail_likely_below"] < 0.10 < s.sensitivity["pass_likely_above"]
     assert s.sensitivity["note"].endswith(f"from a true {100 * (0.10 + sps.norm.ppf(0.8) * se):+.1f} pts")
-    assert s.sensitivity["se_from"] == "Tango's interval (no discordant case)"
+    assert s.sensitivity["se_from"] == "Tango's interval (the paired cases' standard error is 0)"
+
+
+def test_gain_sensitivity_of_a_table_with_a_pass_without_power():
     # A pass whose interval still holds "no gain" has no power.
     small = sc.accuracy_gain(_gain_cases(5, 3, 1, 11), CFG)
     assert small.passed and small.interval[0] < 0 and small.powered is False
