@@ -23,25 +23,42 @@ from coopstudy.record import schema, store
 
 
 # --- answers ------------------------------------------------------------------
+I, N, T = scoring.INTEGER, scoring.NUMBER, scoring.TEXT
+
+
 @pytest.mark.parametrize(
-    ("output", "numeric", "expected"),
+    ("output", "shape", "expected"),
     [
-        ("42", True, "42"),
-        ("  42\n", True, "42"),
-        ("The answer is 42.", True, "42"),
-        ("16 * 33 = 528", True, "528"),  # extra text: the last number counts
-        ("Answer: 1,000", True, "1,000"),
-        ("Let me see: 3 + 4 = 7\nAnswer: 7\nThat was easy, 100%", True, "7"),  # the marker's line only
-        ("7 - 4 - 9 = -6", True, "-6"),
-        ("x2 is 3.5", True, "3.5"),  # no number glued to a word
-        ("I do not know", True, "I do not know"),  # no number: the text, for the verifier to reject
-        ("**blue**.", False, "blue"),
-        ("Final answer: \"cat\"", False, "cat"),
-        ("42<|im_end|>junk 7", True, "42"),  # only the text before the end of turn
+        ("42", I, "42"),
+        ("  42\n", I, "42"),
+        ("The answer is 42.", I, "42"),
+        ("16 * 33 = 528", I, "528"),  # extra text: the last number counts
+        ("Let me see: 3 + 4 = 7\nAnswer: 7\nThat was easy, 100%", I, "7"),  # the marker's line only
+        ("7 - 4 - 9 = -6", I, "-6"),
+        ("x2 is 3.5", N, "3.5"),  # no number glued to a word
+        ("I do not know", I, "I do not know"),  # no number: the text, for the verifier to reject
+        ("**blue**.", T, "blue"),
+        ("Final answer: \"cat\"", T, "cat"),
+        ("42<|im_end|>junk 7", I, "42"),  # only the text before the end of turn
+        # Written as every verifier takes it: before, gcd's gave "+1" 0.5 and "1.0" 0.33.
+        ("The answer is +1.", I, "1"),
+        ("Answer: 1,000", I, "1000"),
+        ("Answer: 12.0", I, "12"),
+        ("Answer: -4.00", I, "-4"),
+        ("Answer: 12.0", N, "12.0"),  # a decimal answer keeps its decimals
+        ("Answer: 2.50", I, "2.50"),  # not an integer: for the verifier to judge
     ],
 )
-def test_extract_answer_one_rule_for_every_family(output, numeric, expected):
-    assert scoring.extract_answer(output, numeric) == expected
+def test_extract_answer_one_rule_for_every_family(output, shape, expected):
+    assert scoring.extract_answer(output, shape) == expected
+
+
+@pytest.mark.parametrize(
+    ("expected", "shape"),
+    [("7", I), ("-4", I), ("1,000", I), ("3.5", N), ("1e3", N), ("cat", T), ("NaN", T), ("", T)],
+)
+def test_answer_shape_is_the_expected_answers_shape(expected, shape):
+    assert scoring.answer_shape(expected) == shape
 
 
 FAMILIES = ("gcd", "products", "letter_counting", "chain_sum")
@@ -65,6 +82,7 @@ def test_scores_are_the_family_verifiers_own(family):
         # The verifier gives partial credit when the expected answer appears
         # inside a longer one; only full credit is correct.
         "contains the right digits": (right + "0", False),
+        "right, with a plus sign and zero decimals": (f"Answer: +{right.lstrip('-')}.0" if not right.startswith("-") else f"Answer: {right}.0", True),
     }
     for what, (output, correct) in outputs.items():
         row = scoring.score_case(case, output)

@@ -45,23 +45,42 @@ _DECORATION = " \t\r\n\"'`*.$"
 
 
 # --- answers ---------------------------------------------------------------
-def is_numeric(text: str) -> bool:
+INTEGER, NUMBER, TEXT = "integer", "number", "text"
+"""The shapes of an expected answer `extract_answer` reads an output by."""
+
+
+def answer_shape(expected: str) -> str:
+    """INTEGER, NUMBER or TEXT: the expected answer's shape, never its value."""
+    text = str(expected).strip().replace(",", "")
     try:
-        return Decimal(str(text).strip().replace(",", "")).is_finite()
+        number = Decimal(text)
     except InvalidOperation:
-        return False
+        return TEXT
+    if not number.is_finite():
+        return TEXT
+    return NUMBER if "." in text or "e" in text.lower() else INTEGER
 
 
-def extract_answer(output: str, numeric: bool) -> str:
+def _canonical(number: str, shape: str) -> str:
+    """A number as every family's verifier takes it: no plus sign, no
+    thousands commas, and no all-zero decimals where an integer is expected
+    (gcd's, letter_counting's and count_bits' verifiers compare text, and give
+    "+1", "1,000" or "1.0" partial credit only)."""
+    number = number.lstrip("+").replace(",", "")
+    return re.sub(r"\.0+$", "", number) if shape == INTEGER else number
+
+
+def extract_answer(output: str, shape: str) -> str:
     """The answer in a model's output, by one rule for every family.
 
     1. Only the text before the end of turn counts, stripped.
     2. If it says "answer: X", "answer is X" or "answer = X", only what follows
        the last such marker, up to the end of that line, counts.
-    3. When the expected answer is a number (its shape, never its value), the
-       last number in that text is the answer ("16 * 33 = 528" gives 528);
-       otherwise the text itself, without surrounding quotes, markdown
-       emphasis or a final period.
+    3. When the expected answer is a number (`answer_shape`), the last number
+       in that text is the answer ("16 * 33 = 528" gives 528), written as the
+       verifiers take it (`_canonical`: "+1,000.0" gives 1000 where an
+       integer is expected); otherwise the text itself, without surrounding
+       quotes, markdown emphasis or a final period.
     4. No number where one is expected: the text as it is (the verifier
        scores it, usually 0).
     """
@@ -69,17 +88,17 @@ def extract_answer(output: str, numeric: bool) -> str:
     markers = list(_ANSWER_MARKER.finditer(text))
     if markers:
         text = text[markers[-1].end() :].split("\n", 1)[0].strip()
-    if numeric:
+    if shape != TEXT:
         numbers = _NUMBER.findall(text)
         if numbers:
-            return numbers[-1]
+            return _canonical(numbers[-1], shape)
     return text.strip(_DECORATION) or text
 
 
 def score_case(case: dict[str, Any], output: str) -> dict[str, Any]:
     """One row of the test table: the extracted answer and the verifier's score."""
     entry = case["entry"]
-    answer = extract_answer(output, is_numeric(entry["answer"]))
+    answer = extract_answer(output, answer_shape(entry["answer"]))
     score = tasks.score_answer(case["family"], answer, entry)
     return {
         "case_id": case["case_id"],
