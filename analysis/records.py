@@ -3,9 +3,10 @@
 Only reads: run search, metric histories, table artifacts and the manifest of
 the prepare run whose inputs the train runs required. One study is the
 set of runs that carry one plan sha (`--plan`) or, before a plan exists, one
-config sha. Of the selection and of each evaluated model the newest FINISHED
-run counts; of each train arm, the run whose weights the selection names (a
-selection that names none is refused). Every row of every table keeps the
+config sha. Of the selection the newest FINISHED run counts; of each train
+arm, the run whose weights the selection names (a selection that names none is
+refused); of each evaluated model, the first FINISHED run under the
+selection's plan. Every row of every table keeps the
 run id it came from, so each number in the report traces back to its run.
 """
 
@@ -173,9 +174,14 @@ SPENDING_STAGES = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
 """The stages under a plan whose runs log what they spent (the probes' cost is the plan's own figure)."""
 
 
-def _newest_finished(experiment: str, tags: dict[str, str]):
+def _finished(experiment: str, tags: dict[str, str], order: str = "DESC") -> list:
+    """The FINISHED runs carrying `tags`, newest first (oldest first with order ASC)."""
     flt = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"])
-    found = store.search_runs(experiment, flt)
+    return store.search_runs(experiment, flt, order_by=(f"attributes.start_time {order}",))
+
+
+def _newest_finished(experiment: str, tags: dict[str, str]):
+    found = _finished(experiment, tags)
     return found[0] if found else None
 
 
@@ -202,51 +208,60 @@ def _selected_train_run(client, select_run, arm: str, key: StudyKey):
     return run
 
 
-def _find_runs(client, experiment: str, key: StudyKey) -> dict[str, Any]:
-    """The run of each role, or a refusal naming every missing one."""
+def _find_runs(client, experiment: str, key: StudyKey) -> tuple[dict[str, Any], dict[str, str]]:
+    """The run of each role and the committed weights of each model (arm ->
+    candidate, and the seed both arms started from), or a refusal naming
+    every missing run."""
     base = {key.tag: key.value}
     runs: dict[str, Any] = {}
     missing: list[str] = []
 
-    def newest(role: str, tags: dict[str, str], what: str) -> None:
-        run = _newest_finished(experiment, base | tags)
+    def take(role: str, run, what: str) -> None:
         if run is None:
             missing.append(f"no FINISHED {what}")
         else:
             runs[role] = run
 
-    newest(SELECT_ROLE, {schema.TAG_STAGE: schema.STAGE_SELECT}, "select run")
+    take(SELECT_ROLE, _newest_finished(experiment, base | {schema.TAG_STAGE: schema.STAGE_SELECT}), "select run")
+    weights: dict[str, str] = {}
+    plan: str | None = None
     if SELECT_ROLE in runs:
+        select = runs[SELECT_ROLE]
         # The train run whose weights were selected, and so evaluated, is the
         # one to time: a later rerun of that arm is evidence, not the result.
         for arm in ARMS:
-            runs[train_role(arm)] = _selected_train_run(client, runs[SELECT_ROLE], arm, key)
+            sha = select.data.tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
+            if not sha:
+                raise RefusedError(f"select run {select.info.run_id} commits no candidate for arm {arm}")
+            weights[arm] = sha
+            runs[train_role(arm)] = _selected_train_run(client, select, arm, key)
+        weights[schema.MODEL_NAME_SEED] = _one_seed([runs[train_role(arm)] for arm in ARMS])
+        plan = select.data.tags.get(schema.TAG_PLAN)
+    # Each model's first finished evaluation of its committed weights under the
+    # selection's plan (or, before plans, under none) is the result, as each
+    # arm's first finished training is its candidate: the code that scores is
+    # the plan's, so a later run could only be a try for other numbers (scoring
+    # that is not repeatable); it is evidence, listed, as is a run of other weights.
     for model in MODELS:
-        newest(
-            evaluate_role(model),
-            {schema.TAG_STAGE: schema.STAGE_EVALUATE, schema.TAG_MODEL: model},
-            f"evaluate run for model {model}",
-        )
+        tags = base | {schema.TAG_STAGE: schema.STAGE_EVALUATE, schema.TAG_MODEL: model}
+        what = f"evaluate run for model {model}"
+        if model in weights:
+            tags[schema.TAG_CHECKPOINT_SHA] = weights[model]
+            what += f" of its committed weights {weights[model][:12]}"
+        found = _finished(experiment, tags, "ASC")
+        take(evaluate_role(model), next((r for r in found if r.data.tags.get(schema.TAG_PLAN) == plan), None), what)
     if missing:
         raise RefusedError(f"under {key} in experiment {experiment!r}: {'; '.join(missing)}; run those steps first")
-    return runs
+    return runs, weights
 
 
-def _check_weights(runs: dict[str, Any], candidates: dict[str, str]) -> None:
-    """Each evaluated model must be the selected one (and the seed the one both arms started from)."""
-    expected = dict(candidates)
-    seeds = {run.info.run_id: run.data.tags.get(schema.TAG_SEED_SHA) for role, run in runs.items() if role.startswith(train_role(""))}
+def _one_seed(train_runs: list[Any]) -> str:
+    """The seed weights both selected train runs started from (the seed model's committed weights)."""
+    seeds = {run.info.run_id: run.data.tags.get(schema.TAG_SEED_SHA) for run in train_runs}
     if len(set(seeds.values())) != 1 or None in seeds.values():
         said = ", ".join(f"{run_id} {str(sha)[:12]}" for run_id, sha in seeds.items())
         raise RefusedError(f"the selected train runs did not start from one recorded seed ({said}); the arms are not comparable")
-    expected[schema.MODEL_NAME_SEED] = next(iter(seeds.values()))
-    for model, sha in expected.items():
-        run = runs[evaluate_role(model)]
-        scored = run.data.tags.get(schema.TAG_CHECKPOINT_SHA)
-        if scored != sha:
-            raise RefusedError(
-                f"evaluate run {run.info.run_id} scored {model} weights {str(scored)[:12]}, not the committed {sha[:12]}; evaluate again"
-            )
+    return next(iter(seeds.values()))
 
 
 def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
@@ -361,7 +376,7 @@ def _case_table(model: str, run_id: str) -> pd.DataFrame:
         # Counted as wrong, a broken verifier of the seed would read as the arms' gain.
         first = frame[unscored].iloc[0]
         raise RefusedError(f"{what} run {run_id}: {int(unscored.sum())} case(s) have no score in [0, 1] (first: {first['case_id']}, "
-                           f"family {first['family']}, score {first['score']!r}): a verifier failed; mend it, then evaluate again")  # fmt: skip
+                           f"family {first['family']}, score {first['score']!r}): a verifier failed; mend it, then run the study under a new plan (the first finished evaluation of the weights is the one read)")  # fmt: skip
     correct = scores >= 1.0
     if "correct" in frame.columns and not (frame["correct"].astype(bool) == correct).all():
         bad = int((frame["correct"].astype(bool) != correct).sum())
@@ -452,20 +467,13 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     key = study_key(cfg, plan)
     planned = plan_document(cfg.experiment, key.value) if key.kind == "plan" else None
     client = store.client()
-    runs = _find_runs(client, cfg.experiment, key)
+    runs, weights = _find_runs(client, cfg.experiment, key)
     _check_one_study(runs, cfg)
     plan_sha = _plan_of(runs, key)
     if plan_sha and key.kind != "plan":
         planned = plan_document(cfg.experiment, plan_sha)
 
-    select = runs[SELECT_ROLE]
-    candidates = {}
-    for arm in ARMS:
-        sha = select.data.tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
-        if not sha:
-            raise RefusedError(f"select run {select.info.run_id} commits no candidate for arm {arm}")
-        candidates[arm] = sha
-    _check_weights(runs, candidates)
+    candidates = {arm: weights[arm] for arm in ARMS}
 
     train_runs = {arm: runs[train_role(arm)] for arm in ARMS}
     updates = pd.concat([_update_table(client, arm, run.info.run_id) for arm, run in train_runs.items()], ignore_index=True)

@@ -439,7 +439,7 @@ def evaluations_line(report: dict[str, Any]) -> str:
         "Each model was evaluated once under this study."
         if all(n == 1 for n in counts.values())
         else f"Evaluate runs under this study: {', '.join(f'{m} {n}' for m, n in counts.items())}. "
-        "The screens read only the newest finished run of each model's committed weights; every other is listed here."
+        "The screens read only the first finished run of each model's committed weights; every other is listed here."
     )
     by_weights: dict[tuple[str, str], set[float]] = {}
     for e in done:

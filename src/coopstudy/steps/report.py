@@ -31,8 +31,9 @@ Judges the study by its pre-registered screens and writes the report.
 Reads, from the tracking store (a server's record is enough), the runs of one
 study (tagged with --plan SHA, else with this config's sha): the newest
 FINISHED select run (the candidates' hashes), the train runs whose weights it
-selected (per-update and per-run metrics) and the newest FINISHED evaluate run
-of seed, control and compressed (test-case and retention tables).
+selected (per-update and per-run metrics) and the first FINISHED evaluate run
+under its plan of seed, control and compressed (test-case and retention
+tables; later ones are listed, not read).
 Refuses, naming what is missing, when a role has no such run, and when a
 source the study's plan binds differs from the one on disk here.
 
