@@ -297,7 +297,7 @@ M_LOSS = "train/loss"
 """On train arm, probe candidate and bench-arms runs: the update's global weighted loss
 L_k (the same in both arms for the same weights)."""
 M_GRAD_NORM = "train/grad_norm"
-"""On train arm, probe candidate and bench-arms runs: the L2 norm of the update's global gradient, before clipping."""
+"""On train arm, probe candidate and bench-arms runs: the L2 norm of the gradient the update applies, before clipping: the global gradient, except in the compressed arm's compressed phase, where it is PowerSGD's approximation of it, error feedback included (not comparable with the control's there)."""
 M_LR = "train/lr"
 """On train arm, probe candidate and bench-arms runs: the learning rate the update used (linear warmup, then constant)."""
 M_UPDATE_SECONDS = "train/update_seconds"
