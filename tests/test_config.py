@@ -89,6 +89,8 @@ def test_overrides_are_typed():
         ("arms.control.workers=2", "arms.control.workers: the control is the single-device arm, 1 worker, not 2"),
         ("arms.compressed.workers=1", "arms.compressed.workers: the compressed arm's gradients travel between workers: at least 2"),
         ("powersgd.dense_updates=6", "powersgd.dense_updates: 6 dense updates of train.updates=6 leave the compressed arm no compressed update"),
+        # A probe that never compresses chooses a microbatch without PowerSGD's memory.
+        ("probe.updates=2", "probe.updates: 2 update(s) leave a compressed probe no compressed update, and its memory none of PowerSGD's"),
         # Hints load the config again as `--preset NAME`: renamed, they would load another preset.
         ("preset=smollm2-135m-cpu", "override 'preset=smollm2-135m-cpu': a config's name is the preset it loads"),
     ],

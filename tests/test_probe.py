@@ -69,6 +69,12 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= run.data.metrics.keys()  # how quiet the host was
         assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, schema.M_LOSS)) == cfg.probe.updates
         assert receipt["complete_seconds"] > sum(seconds)
+        # A compressed probe compresses its last update: its memory holds PowerSGD's too
+        # (before, every probe update was dense; a full run compresses from update dense_updates + 1).
+        compressed = receipt["setting"]["arm"] == "compressed"
+        dense = min(cfg.powersgd.dense_updates, cfg.probe.updates - 1) if compressed else cfg.powersgd.dense_updates
+        assert run.data.params["powersgd.dense_updates"] == str(dense)
+        assert (run.data.metrics[schema.M_BYTES_COMPRESSED] > 0) == compressed
         # Memory of every rank, under the preset's capacity; CPU figures only.
         ranks = receipt["memory_by_rank"]
         assert len(ranks) == receipt["setting"]["workers"]
@@ -94,8 +100,19 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
     assert not (probed_tiny.home / "checkpoints").exists()
 
 
+def test_a_compressed_probe_compresses_its_last_update_whatever_the_presets_dense_phase():
+    from coopstudy.steps import probe
+
+    for preset in ("tiny", "smollm2-135m-cpu", "smollm2-1.7b"):
+        cfg = config.load(preset)
+        for candidate, own in probe._candidates(cfg):
+            dense = cfg.probe.updates - 1 if candidate.arm == "compressed" else cfg.powersgd.dense_updates
+            assert own.powersgd.dense_updates == dense, (preset, candidate)
+
+
 def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probed_tiny, tmp_path):
     out = probed_tiny.printed.stdout
+    assert "probe: 3 candidates, 3 updates each (a compressed one: 2 dense, then compressed), device capacity 4096 MiB" in out
     assert "largest microbatch that completed, per arm and allocator" in out
     assert "control-mb4-default: completed" in out and "compressed-mb3-default: completed" in out
     parent, _ = _sweep("control-mb4-default")

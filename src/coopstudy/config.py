@@ -204,12 +204,16 @@ class TrainConfig(_Section):
         return value
 
 
+MIN_DENSE_UPDATES = 2
+"""The fewest dense updates before PowerSGD: DDP rebuilds its buckets after
+the first iteration, so torch's hook refuses to keep error feedback or a warm
+start from update 1."""
+
+
 class PowerSGDConfig(_Section):
     rank: int = PositiveInt
-    dense_updates: int = Field(ge=2)
-    """Updates that use a dense allreduce before compression starts. At least
-    2: DDP rebuilds its buckets after the first iteration, so torch's hook
-    refuses to keep error feedback or a warm start from update 1."""
+    dense_updates: int = Field(ge=MIN_DENSE_UPDATES)
+    """Updates that use a dense allreduce before compression starts (at least MIN_DENSE_UPDATES)."""
     warm_start: bool = True
 
 
@@ -241,6 +245,9 @@ class ProbeCandidate(_Section):
 
 class ProbeConfig(_Section):
     updates: int = Field(3, gt=0)
+    """Updates of each probe. A compressed candidate compresses its last
+    update(s) (its dense phase cut to fit), so its memory holds PowerSGD's
+    error feedback and factors too: at least MIN_DENSE_UPDATES + 1 with one."""
     candidates: tuple[ProbeCandidate, ...] = ()
     device_capacity_mb: int | None = Field(None, gt=0)
     """On CPU, the peak RSS each probe process may reach; on CUDA, the
@@ -305,6 +312,11 @@ class Config(_Section):
             raise ValueError(
                 f"powersgd.dense_updates: {self.powersgd.dense_updates} dense updates of train.updates={self.train.updates} "
                 "leave the compressed arm no compressed update"
+            )
+        if self.probe.updates <= MIN_DENSE_UPDATES and any(c.arm == COMPRESSED for c in self.probe.candidates):
+            raise ValueError(
+                f"probe.updates: {self.probe.updates} update(s) leave a compressed probe no compressed update, and its memory "
+                f"none of PowerSGD's (it compresses after {MIN_DENSE_UPDATES} dense ones); at least {MIN_DENSE_UPDATES + 1}"
             )
         for name in ARMS:
             arm = self.arm(name)

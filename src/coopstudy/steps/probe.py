@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _candidates(cfg: Config) -> list[tuple[ProbeCandidate, Config]]:
     """Each candidate with its config (the arm's microbatch set to the
-    candidate's), or the preset mistake that makes the sweep meaningless."""
+    candidate's; a compressed one's dense phase cut to end before its last
+    update), or the preset mistake that makes the sweep meaningless."""
     if not cfg.probe.candidates:
         raise UserError("probe.candidates is empty; list the settings to probe in the preset")
     if cfg.probe.updates > cfg.train.updates:
@@ -77,6 +78,12 @@ def _candidates(cfg: Config) -> list[tuple[ProbeCandidate, Config]]:
         seen.add(name)
         raw = cfg.model_dump(mode="json")
         raw["arms"][c.arm]["microbatch"] = c.microbatch
+        if c.arm == COMPRESSED:
+            # A probe that never compresses would choose the microbatch without
+            # PowerSGD's memory (a full fp32 copy of the gradient for its error
+            # feedback, the factors), which a full run holds from its first
+            # compressed update on, and time dense updates alone.
+            raw["powersgd"]["dense_updates"] = min(cfg.powersgd.dense_updates, cfg.probe.updates - 1)
         # The config's own checks (a microbatch larger than the local batch).
         out.append((c, from_dict(raw)))
     return out
@@ -221,7 +228,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             parent.set_tags(req)
             context = _context(cfg, req)
             limit = f", device capacity {cfg.probe.device_capacity_mb} MiB" if cfg.probe.device_capacity_mb else ""
-            console.print(f"probe: {len(candidates)} candidates, {cfg.probe.updates} updates each{limit}; run {parent.run_id}", highlight=False)
+            dense = {cc.powersgd.dense_updates for c, cc in candidates if c.arm == COMPRESSED}
+            phases = f" (a compressed one: {dense.pop()} dense, then compressed)" if dense else ""
+            console.print(f"probe: {len(candidates)} candidates, {cfg.probe.updates} updates each{phases}{limit}; run {parent.run_id}", highlight=False)
             swept = [_run_candidate(cfg, c, cc, req, context, args.hostfile, console) for c, cc in candidates]
         choice = receipts.choose(swept)
         parent.log_dict(swept, schema.ART_PROBE_RECEIPTS)
