@@ -57,6 +57,7 @@ last two out: the run's description is report.md, and MLflow keeps at most 8,000
 RUN_METRICS = {
     "active_seconds": schema.M_ACTIVE_SECONDS,
     "complete_seconds": schema.M_COMPLETE_SECONDS,
+    "rendezvous_seconds": schema.M_RENDEZVOUS_SECONDS,
     "checkpoint_seconds": schema.M_CHECKPOINT_SECONDS,
     "device_seconds": schema.M_DEVICE_SECONDS,
     "bytes_dense": schema.M_BYTES_DENSE,

@@ -138,6 +138,8 @@ def test_run_level_timing_memory_bytes_and_cost(both):
         # How quiet the host was (what they measure: tests/test_launch.py's busy loop).
         assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= m.keys()
     control, compressed = arms["control"].data.metrics, arms["compressed"].data.metrics
+    # One process meets nobody; two ranks on one host wait only for each other's start-up.
+    assert control[schema.M_RENDEZVOUS_SECONDS] == 0 and 0 < compressed[schema.M_RENDEZVOUS_SECONDS] < compressed[schema.M_COMPLETE_SECONDS]
     assert control[schema.M_BYTES_TOTAL] == 0 and set(_history(arms["control"], schema.M_BYTES)) == {0.0}
     assert compressed[schema.M_BYTES_DENSE] > 0 and compressed[schema.M_BYTES_COMPRESSED] > 0
     assert compressed[schema.M_BYTES_TOTAL] > compressed[schema.M_BYTES_DENSE] + compressed[schema.M_BYTES_COMPRESSED]

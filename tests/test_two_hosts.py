@@ -38,6 +38,8 @@ pytestmark = pytest.mark.slow
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 """Private addresses that exist only inside the two namespaces."""
 RANK_TIMEOUT_S = 300
+LATE_S = 5.0
+"""How long after node 0 printed it node 1's command is started."""
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -193,6 +195,7 @@ def test_compressed_arm_started_node_by_node_is_the_record_selected_and_evaluate
         assert joined[:4] == ["python", "-m", "coopstudy", "train"], joined
         run_id = joined[joined.index("--run-id") + 1]
         node1_argv = [sys.executable, *joined[1:]]
+        time.sleep(LATE_S)  # a person reads the command, then types it on the other host
         procs.append(_in_namespace(two_hosts.namespaces[1], node1_argv, planned.env(home_b, GLOO_SOCKET_IFNAME=two_hosts.devices[1]), logs[1]))
         codes = [p.wait(timeout=RANK_TIMEOUT_S) for p in procs]
     finally:
@@ -212,6 +215,9 @@ def test_compressed_arm_started_node_by_node_is_the_record_selected_and_evaluate
     # shares this machine, so neither pins its rank to a core.
     summary = json.loads(Path(client.download_artifacts(run_id, schema.ART_TRAIN_SUMMARY, str(tmp_path))).read_text())
     assert summary["cores_by_rank"] == [None, None]
+    # Node 0's rank waited for node 1 inside the complete seconds, and the record says how long.
+    waited = run.data.metrics[schema.M_RENDEZVOUS_SECONDS]
+    assert waited == summary["rendezvous_seconds"] and LATE_S <= waited < run.data.metrics[schema.M_COMPLETE_SECONDS]
     two = _losses(client, run_id)
     one = planned.one_host_losses
     assert len(two) == len(one) == cfg.train.updates, (one, two)

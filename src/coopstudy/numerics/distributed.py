@@ -96,6 +96,8 @@ class DistContext:
     """The CPU cores this rank is pinned to (machine.pin_rank); None when it
     is left to the scheduler: one process, a CUDA rank, distributed.pin_cores
     false, or ranks of the job on other hosts (init)."""
+    rendezvous_seconds: float = 0.0
+    """Seconds this rank waited in init_process_group for every rank to join."""
 
     @property
     def distributed(self) -> bool:
@@ -150,6 +152,7 @@ def init(cfg: Config) -> DistContext:
     # local ranks, and would then be pinned onto the same cores.
     if device.type == "cpu" and cfg.distributed.pin_cores and _local_ranks() == world:
         cores = machine.pin_rank(local_rank, world, cfg.train.threads_per_device)
+    met = time.perf_counter()
     if not dist.is_initialized():
         # The timeout ends every rank when one stops answering, instead of
         # leaving the others blocked in a collective for ever.
@@ -171,7 +174,7 @@ def init(cfg: Config) -> DistContext:
                 ) from err
             said = (str(err).strip().splitlines() or [""])[0][:200]
             raise UserError(f"rank {rank} could not join the ranks at {meet}: {type(err).__name__}: {said}") from err
-    return DistContext(rank, world, local_rank, device, backend, cores)
+    return DistContext(rank, world, local_rank, device, backend, cores, time.perf_counter() - met)
 
 
 def _local_ranks() -> int:

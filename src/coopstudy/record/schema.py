@@ -356,6 +356,10 @@ M_ACTIVE_SECONDS = "time/active_seconds"
 """On train arm, probe candidate and bench-arms runs whose workers finished their updates: rank 0's seconds from the first update's start to the last update's end."""
 M_COMPLETE_SECONDS = "time/complete_seconds"
 """On train arm, probe candidate and bench-arms runs: seconds from launching the processes to their exit, timed by the stage (on a train run stopped by a signal, to the stop); on an evaluate run (the parent): seconds it held the device, failed and stopped runs too."""
+M_RENDEZVOUS_SECONDS = "time/rendezvous_seconds"
+"""On train arm, probe candidate and bench-arms runs whose workers finished their updates: seconds rank 0 waited for every rank
+to join its process group, inside time/complete_seconds (0 in the control): on one host, its ranks' start-up skew; node by
+node, the time until the other node's command was started and its ranks had loaded."""
 M_CHECKPOINT_SECONDS = "time/checkpoint_seconds"
 """On a train arm run: seconds to write, hash, read back and verify the final checkpoint and log it as an artifact."""
 M_DEVICE_SECONDS = "time/device_seconds"

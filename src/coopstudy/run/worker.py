@@ -237,6 +237,7 @@ def train(
                 # Which documents each worker held for each update: the split is part of the record.
                 "assignment": batching.assignment(schedule, work, ctx.world_size),
                 "active_seconds": last_end - first_start,
+                "rendezvous_seconds": ctx.rendezvous_seconds,
                 "memory_by_rank": memory,
                 # Every rank's per-update breakdown (rank 0's is also the per-update metrics).
                 "times_by_rank": times_by_rank,
@@ -285,6 +286,7 @@ def _record_run(rec: writer.Recorder, summary: dict, counter: distributed.ByteCo
     summary["bytes"] = dataclasses.asdict(totals) | {"total": totals.total} if totals else None
     metrics = {
         schema.M_ACTIVE_SECONDS: summary["active_seconds"],
+        schema.M_RENDEZVOUS_SECONDS: summary["rendezvous_seconds"],
         schema.M_PEAK_RSS_MB: max(m["peak_rss_mb"] for m in memory),
         schema.M_BYTES_DENSE: totals.dense if totals else 0,
         schema.M_BYTES_COMPRESSED: totals.compressed if totals else 0,
