@@ -1335,9 +1335,10 @@ def test_a_deleted_experiment_is_one_line_and_exit_2():
     assert line.startswith("coopstudy plan: error: experiment 'retired' is deleted in ") and "mlflow experiments restore" in line, line
 
 
-@pytest.mark.parametrize("name", ["123", "null", "runs # 2"])
+@pytest.mark.parametrize("name", ["123", "null", "runs # 2", "étude 🙂"])
 def test_an_experiment_named_in_the_environment_is_taken_as_written(name):
-    """MLFLOW_EXPERIMENT_NAME is a name, not YAML: `123` is no number, `# 2` no comment."""
+    """MLFLOW_EXPERIMENT_NAME is a name, not YAML: `123` is no number, `# 2` no
+    comment; and not ASCII (an emoji ended in MLflow's traceback, exit 1)."""
     done = run_cli("plan", "--preset", "tiny", env={"MLFLOW_EXPERIMENT_NAME": name})
     assert done.returncode == 2 and "no inputs commitment" in done.stderr, done.stderr[-3000:]
     client = mlflow.MlflowClient()

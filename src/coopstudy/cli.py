@@ -106,8 +106,10 @@ def _with_experiment(overrides: list[str]) -> list[str]:
     from coopstudy.record import store
 
     named = store.chosen_experiment()
-    # As a JSON string: YAML would read `123`, `null` or `a # b` as something else.
-    return [*overrides, f"experiment={json.dumps(named)}"] if named else overrides
+    # As a JSON string: YAML would read `123`, `null` or `a # b` as something
+    # else. Not ASCII-escaped: YAML reads a JSON surrogate pair (an emoji's
+    # \ud83d\ude42) as two lone halves, which MLflow cannot encode.
+    return [*overrides, f"experiment={json.dumps(named, ensure_ascii=False)}"] if named else overrides
 
 
 def _split_overrides(item: str) -> list[str]:
