@@ -96,20 +96,21 @@ def test_mlflow_runs_own_run_is_the_record_under_a_relative_sqlite_uri(project):
     assert run.data.tags[schema.TAG_STAGE] == schema.STAGE_PREPARE
 
 
-def test_a_relative_sqlite_uri_is_one_store_for_a_step_and_the_ranks_it_starts(tmp_path, probed_tiny_store):
+def test_a_relative_sqlite_uri_and_home_are_one_store_and_home_for_a_step_and_the_ranks_it_starts(tmp_path, probed_tiny_store):
     # Ranks run in the project folder; a step started below it names its file
-    # from there, and the ranks must record in that file, not in one of their own.
+    # and home from there, and the ranks must record in that file and read that
+    # home, not ones of their own (before, a relative home sent the ranks to
+    # another, and they refused: "no inputs commitment").
     root = checkout_copy(tmp_path / "project")
     below = root / "notes"
     below.mkdir()
     shutil.copy(probed_tiny_store.db, below / "study.db")
-    home = tmp_path / "home"
-    shutil.copytree(probed_tiny_store.home, home)
-    env = {"MLFLOW_TRACKING_URI": "sqlite:///study.db", "COOPSTUDY_HOME": str(home)}
+    shutil.copytree(probed_tiny_store.home, below / "home")
+    env = {"MLFLOW_TRACKING_URI": "sqlite:///study.db", "COOPSTUDY_HOME": "home"}
     for step in (("plan",), ("train", "--arm", "control")):
         done = run_cli(*step, "--preset", "tiny", env=env, cwd=below)
         assert done.returncode == 0, done.stderr[-3000:]
-    assert not (root / "study.db").exists()
+    assert not (root / "study.db").exists() and not (root / "home").exists()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{below / 'study.db'}")
     (trained,) = [r for r in _runs(client, "coopstudy") if r.data.tags.get(schema.TAG_STAGE) == schema.STAGE_TRAIN]
     assert trained.info.status == "FINISHED"

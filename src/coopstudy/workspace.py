@@ -34,6 +34,12 @@ def project_root() -> Path:
 
 def home() -> Path:
     root = Path(os.environ.get(HOME_VARIABLE) or project_root() / ".coopstudy")
+    if not root.is_absolute():
+        # Named from the folder the step started in. The processes it starts
+        # (ranks, probes) run in the project folder and inherit the
+        # environment: they must find the same home, not make another there.
+        root = Path.cwd() / root
+        os.environ[HOME_VARIABLE] = str(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
