@@ -80,11 +80,14 @@ LAUNCHER = _launcher()
 # user set them: MLflow's own defaults (7 retries, exponential backoff, 120 s
 # per request) would stall a training loop for minutes per call during an
 # outage, where the outbox is the better place for the record to wait.
-HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+_HTTP = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": ("10", 1),
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": ("2", 0),
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": ("1", 0),
 }
+"""Each variable's default here, and the least whole number MLflow takes for it (it
+reads them as int, and refuses less in a traceback at the first request)."""
+HTTP_DEFAULTS = {name: default for name, (default, _) in _HTTP.items()}
 
 
 def is_http(uri: str) -> bool:
@@ -93,9 +96,12 @@ def is_http(uri: str) -> bool:
 
 def use_http_defaults() -> None:
     """Short retries for this process and every process it starts (they inherit the environment;
-    the DeepSpeed launcher forwards MLFLOW_* variables to other hosts)."""
-    for name, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    the DeepSpeed launcher forwards MLFLOW_* variables to other hosts); a value the user set
+    that MLflow would refuse is refused here, in one line."""
+    for name, (value, least) in _HTTP.items():
+        given = os.environ.setdefault(name, value)
+        if not re.fullmatch(r"\s*[0-9]+\s*", given) or int(given) < least:
+            raise UserError(f"{name}={given!r}: MLflow takes a whole number, at least {least}; unset it for the study's {value}")
     # urllib3 logs every retry of every call; an outage is said once, by the outbox.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
