@@ -1008,6 +1008,11 @@ def _a_folder(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
+def _a_fifo(tmp: Path, name: str) -> Path:
+    os.mkfifo(tmp / name)
+    return tmp / name
+
+
 def _model_cut_short(tmp: Path) -> str:
     """The tiny seed's folder with its weights file cut to 20 bytes, as a
     failed download or a Git LFS pointer leaves it."""
@@ -1199,6 +1204,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     ),
     "hostfile: missing": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(tmp / "nope")), "no such file"),
     "hostfile: a folder": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(_a_folder(tmp, "hosts"))), "/hosts: a folder, not a file"),
+    # Its read blocked for ever, under --dry-run too.
+    "hostfile: a named pipe": (
+        lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--dry-run", "--hostfile", str(_a_fifo(tmp, "hosts"))),
+        "/hosts: not a regular file (a pipe, socket or device)",
+    ),
     "probe's hostfile: a line that is no host": (
         lambda tmp: ("probe", "--preset", "tiny", "--hostfile", _hostfile(tmp, "host-a slots=1\nhost-b two\n")),
         "line 2: 'host-b two' is not `HOST slots=N`",
