@@ -208,6 +208,13 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
     "argv, said",
     [
         (("study", "--arm", "control"), "--arm control: it applies only with --through train (got --through report)"),
+        # What a step of the study refuses: before, the study refused it only after prepare and verify had run.
+        (("study", "--set", "probe.updates=7"), "probe.updates: 7 exceeds train.updates=6"),
+        pytest.param(
+            ("study", "--through", "train", "--arm", "compressed", "--set", "distributed.backend=nccl"),
+            "distributed.backend: nccl needs CUDA, and this machine has none",
+            marks=pytest.mark.skipif(machine.cuda_available(), reason="this machine has CUDA"),
+        ),
         (("train", "--nodes", "0"), "--nodes 0: a job runs on at least 1 host"),
         (("train", "--arm", "control", "--hostfile", "hosts"), "--hostfile: only the compressed arm runs on several hosts (got --arm control)"),
         (("probe", "--set", "probe.candidates=[{arm: control, microbatch: 100}]"), "config tiny: arms.control.microbatch: 100 is larger than the local batch"),

@@ -350,10 +350,18 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
 
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
-    """What study refuses in its arguments, before any work (and under --dry-run)."""
+    """What study refuses in its arguments, and what each step it would run
+    refuses in the config and the arguments the study gives it, before any
+    work (and under --dry-run): a setting probe or train refuses (the nccl
+    backend without CUDA, a probe longer than the training) ended the study
+    only after prepare and verify had run."""
     if args.arm != BOTH and args.through != TRAIN:
         # Every later step needs both arms trained; running both quietly would not be what was asked.
         raise UserError(f"--arm {args.arm}: it applies only with --through train (got --through {args.through})")
+    for step in selected_steps(args.through, args.arm):
+        module = MODULES[step.stage]
+        if hasattr(module, "check_arguments"):
+            module.check_arguments(cfg, _step_args(step, args))
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
