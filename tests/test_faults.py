@@ -1294,6 +1294,10 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("MLFLOW_TRACKING_URI", "nonsense", "tracking URI 'nonsense' (from MLFLOW_TRACKING_URI) cannot be opened. It names a folder (no scheme, or file:)"),
         # Named as the user set it, not as the config key it becomes.
         ("MLFLOW_EXPERIMENT_NAME", " x ", "MLFLOW_EXPERIMENT_NAME=' x ': a name with spaces at its ends"),
+        # Set by hand (no MLFLOW_RUN_ID beside it), it names the experiment as for MLflow; before, it was ignored.
+        ("MLFLOW_EXPERIMENT_ID", "abc", "MLFLOW_EXPERIMENT_ID=abc: no such experiment in "),
+        # MLflow's own experiment: in a local store, its artifacts went to ./mlruns/0 of the folder the step ran in.
+        ("MLFLOW_EXPERIMENT_ID", "0", "MLFLOW_EXPERIMENT_ID=0 (experiment 'Default'): Default is MLflow's own experiment"),
     ],
 )
 def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
@@ -1357,6 +1361,16 @@ def test_an_experiment_named_in_the_environment_is_taken_as_written(name):
     (run,) = client.search_runs([exp.experiment_id])
     # Params are logged as overrides are written (YAML), so `123` the name is '123'.
     assert yaml.safe_load(run.data.params["experiment"]) == name and run.info.status == "FAILED"
+
+
+def test_an_experiment_id_set_by_hand_names_the_studys_experiment():
+    # As MLflow takes it; before, it was ignored and the runs went to `coopstudy`.
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("by-id")
+    done = run_cli("plan", "--preset", "tiny", env={"MLFLOW_EXPERIMENT_ID": exp})
+    assert done.returncode == 2 and "no inputs commitment" in done.stderr, done.stderr[-3000:]
+    (run,) = client.search_runs([exp])
+    assert run.data.params["experiment"] == "by-id" and run.data.tags[schema.TAG_STAGE] == "plan"
 
 
 @pytest.fixture

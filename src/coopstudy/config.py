@@ -295,10 +295,15 @@ class Config(_Section):
     budget: BudgetConfig = BudgetConfig()
     screens: ScreensConfig = ScreensConfig()
 
-    @field_validator("preset", "experiment")
+    @field_validator("preset")
     @classmethod
     def _a_name(cls, value: str) -> str:
         return check_name(value)
+
+    @field_validator("experiment")
+    @classmethod
+    def _an_experiment(cls, value: str) -> str:
+        return check_experiment(value)
 
     @model_validator(mode="after")
     def _check_arms(self) -> "Config":
@@ -516,6 +521,20 @@ def check_name(value: str) -> str:
         raise ValueError("an empty name")
     if value != value.strip():
         raise ValueError("a name with spaces at its ends")
+    return value
+
+
+MLFLOW_DEFAULT_EXPERIMENT = "Default"
+"""MLflow's own experiment (`mlflow.entities.Experiment.DEFAULT_EXPERIMENT_NAME`)."""
+
+
+def check_experiment(value: str) -> str:
+    """An experiment's name for the study; ValueError saying what is wrong with it."""
+    check_name(value)
+    if value == MLFLOW_DEFAULT_EXPERIMENT:
+        # In a local store MLflow made it with a relative artifact location:
+        # a step's artifacts would land in ./mlruns/0 of whatever folder it runs in.
+        raise ValueError(f"{value} is MLflow's own experiment, where `mlflow run` puts its pointer runs; name the study's own")
     return value
 
 

@@ -661,7 +661,7 @@ def main(args: argparse.Namespace) -> int:
             return 0
         experiment = args.experiment if args.experiment is not None else store.chosen_experiment() or store.DEFAULT_EXPERIMENT
         try:
-            config_mod.check_name(experiment)
+            config_mod.check_experiment(experiment)
         except ValueError as err:
             raise UserError(f"--experiment {experiment!r}: {err}") from None
         exp_id = preflight(uri, experiment)

@@ -425,21 +425,47 @@ def check_launcher() -> None:
 
 def chosen_experiment() -> str | None:
     """An experiment the user named outside the config: MLFLOW_EXPERIMENT_NAME,
-    or `mlflow run --experiment-name/--experiment-id` (the experiment `mlflow run`
+    MLFLOW_EXPERIMENT_ID set by hand (as MLflow takes them, the name first), or
+    `mlflow run --experiment-name/--experiment-id` (the experiment `mlflow run`
     created its run in, when that is not MLflow's Default). None otherwise."""
     named = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     if named:
         try:
-            return config_mod.check_name(named)
+            return config_mod.check_experiment(named)
         except ValueError as err:
             raise UserError(f"MLFLOW_EXPERIMENT_NAME={named!r}: {err}") from None
     check_launcher()
-    if LAUNCHER is None or LAUNCHER.experiment_id in ("", "0"):
+    if LAUNCHER is None:
+        return _experiment_by_id(os.environ.get("MLFLOW_EXPERIMENT_ID", ""))
+    if LAUNCHER.experiment_id in ("", "0"):
         return None
     from mlflow import MlflowClient
 
     exp = MlflowClient(tracking_uri=LAUNCHER.tracking_uri).get_experiment(LAUNCHER.experiment_id)
     return exp.name
+
+
+def _experiment_by_id(value: str) -> str | None:
+    """The experiment an MLFLOW_EXPERIMENT_ID set by hand names (before, it was
+    ignored, one that names nothing too), or None where it is not set."""
+    if not value:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    uri = tracking_uri()
+    try:
+        exp = client(uri, "MLFLOW_TRACKING_URI").get_experiment(value)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise UserError(
+                f"MLFLOW_EXPERIMENT_ID={value}: no such experiment in {uri}; unset it, or name the study's experiment "
+                "(MLFLOW_EXPERIMENT_NAME, or --set experiment=NAME)"
+            ) from None
+        raise
+    try:
+        return config_mod.check_experiment(exp.name)
+    except ValueError as err:
+        raise UserError(f"MLFLOW_EXPERIMENT_ID={value} (experiment {exp.name!r}): {err}") from None
 
 
 def git_commit() -> str | None:
