@@ -393,6 +393,13 @@ def test_tampered_commitment_is_refused_naming_it(case, request, tmp_path):
     assert done_by.run in line, line
 
 
+def test_plan_of_a_config_with_nothing_to_probe_says_so_not_to_probe(planned_store, tmp_path):
+    # Before, it sent the user to `probe ... --set 'probe.candidates=[]'`, which refuses this.
+    store = planned_store.copy(tmp_path / "store")
+    done = run_cli("plan", "--preset", "tiny", "--set", "probe.candidates=[]", env=store.env())
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [f"coopstudy plan: error: {config.NO_CANDIDATES}"]), done.stderr[-3000:]
+
+
 def test_bench_objective_refuses_prepared_inputs_that_fail_their_check(planned_store, tmp_path):
     # Before, `--documents auto` took any refusal for "no prepared inputs",
     # timed synthetic documents under that note, and exited 0.

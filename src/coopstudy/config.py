@@ -243,6 +243,10 @@ class ProbeCandidate(_Section):
     """This candidate's device capacity; none: probe.device_capacity_mb."""
 
 
+NO_CANDIDATES = "probe.candidates is empty; list the settings to probe in the preset"
+"""What probe and plan say of a config with nothing to probe (plan's hint to probe would be refused so)."""
+
+
 class ProbeConfig(_Section):
     updates: int = Field(3, gt=0)
     """Updates of each probe. A compressed candidate compresses its last

@@ -20,8 +20,8 @@ from typing import Any
 
 from coopstudy import workspace
 from coopstudy.commit import budget, ledger, receipts, sources
-from coopstudy.config import ARMS, TRAINING_ALLOCATOR, Config
-from coopstudy.errors import RefusedError
+from coopstudy.config import ARMS, NO_CANDIDATES, TRAINING_ALLOCATOR, Config
+from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import data
 from coopstudy.record import schema, store
 
@@ -91,6 +91,8 @@ def build(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> dic
     receipts, the deciding sources."""
     sources_sha, files = sources.deciding_sources_sha256()
     kept = receipts.probe_receipts(cfg)
+    if not cfg.probe.candidates:
+        raise UserError(NO_CANDIDATES)
     if not kept:
         raise RefusedError(f"no probe receipts in {receipts.probe_dir(cfg)}", hint=f"run `python -m coopstudy probe {cfg.arguments}` first")
     when = cfg.budget.deadline

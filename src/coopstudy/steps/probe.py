@@ -13,7 +13,7 @@ from rich.table import Table
 
 from coopstudy import ui
 from coopstudy.commit import ledger, receipts, require, sources
-from coopstudy.config import COMPRESSED, Config, ProbeCandidate, from_dict
+from coopstudy.config import COMPRESSED, NO_CANDIDATES, Config, ProbeCandidate, from_dict
 from coopstudy.errors import UserError
 from coopstudy.record import schema, writer
 from coopstudy.run import launch, lock
@@ -66,7 +66,7 @@ def _candidates(cfg: Config) -> list[tuple[ProbeCandidate, Config]]:
     candidate's; a compressed one's dense phase cut to end before its last
     update), or the preset mistake that makes the sweep meaningless."""
     if not cfg.probe.candidates:
-        raise UserError("probe.candidates is empty; list the settings to probe in the preset")
+        raise UserError(NO_CANDIDATES)
     if cfg.probe.updates > cfg.train.updates:
         raise UserError(f"probe.updates: {cfg.probe.updates} exceeds train.updates={cfg.train.updates}")
     seen: set[str] = set()
