@@ -138,6 +138,16 @@ def test_a_failed_gate_is_recorded_and_commits_nothing(monkeypatch, capsys):
     assert run.data.metrics[schema.M_GATE_MAX_REL_ERROR] == 0.5
 
 
+def test_a_learning_rate_that_diverges_is_said_as_such_not_as_a_failed_gate(cli):
+    # Before: "equivalence gate failed: ... differs by inf relative", as if the numerics were broken.
+    done = cli("verify", "--preset", "tiny", "--set", "train.lr=1e30")
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [
+        "coopstudy verify: error: the gate's updates diverged (case 'unequal-lengths', update 2: grad_norm nan) "
+        "at learning rate train.lr=1e+30; try a lower learning rate"
+    ]), done.stderr[-3000:]
+    assert ledger.Ledger().latest(ledger.GATE, sources.GATE_SUBJECT) is None
+
+
 def test_verify_help_says_what_the_gate_checks():
     from coopstudy.steps import verify
 

@@ -363,6 +363,7 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
             raise GateFailed(f"a gate rank died: {err}") from None
         batched = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
 
+    _refuse_a_diverged_reference(cases, reference, cfg)
     rows = [
         _compare(case.name, k + 1, rank, batched[rank][case.name][k], reference[case.name][k])
         for case in cases
@@ -371,6 +372,23 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
     ]
     failures = [msg for row in rows for msg in _failure(row)]
     return GateResult(rows=rows, seconds=time.perf_counter() - start, failures=failures)
+
+
+def _refuse_a_diverged_reference(cases: Sequence[Any], reference: dict[str, list[dict[str, Any]]], cfg: Config) -> None:
+    """Where the reference itself left finite numbers (a learning rate that
+    diverges), the comparison says nothing of the numerics: said as training
+    says it, not as a gate that failed by inf."""
+    for case in cases:
+        for k, want in enumerate(reference[case.name], start=1):
+            scalars = [(kind, want[kind]) for kind in ("loss", "grad_norm") if not math.isfinite(want[kind])]
+            tensors = [(f"{kind} {name}", "not finite") for kind in ("param", "exp_avg", "exp_avg_sq")
+                       for name, t in want[kind].items() if not bool(torch.isfinite(t).all())]  # fmt: skip
+            if scalars or tensors:
+                what, value = (scalars or tensors)[0]
+                raise UserError(
+                    f"the gate's updates diverged (case {case.name!r}, update {k}: {what} {value}) at learning rate "
+                    f"train.lr={cfg.train.lr:g}; try a lower learning rate"
+                )
 
 
 def case_summary(rows: Sequence[Row]) -> list[dict[str, Any]]:
