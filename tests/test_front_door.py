@@ -290,6 +290,8 @@ def test_options_before_the_command_are_one_line_saying_where_they_go(cli, argv,
         # argparse took `tiny` for the benchmark, and `x` for remote's command.
         (("bench", "--preset", "tiny", "objective"), "bench: error: options go after the bench command: `python -m coopstudy bench objective --preset tiny`"),
         (("remote", "--experiment", "x", "check"), "remote: error: options go after the remote command: `python -m coopstudy remote check --experiment x`"),
+        # No benchmark named at all: argparse said `tiny` was no benchmark.
+        (("bench", "--preset", "tiny", "--dry-run"), "bench: error: name the bench command first: `python -m coopstudy bench {objective,arms,generate} --preset tiny --dry-run`"),
         # It pointed at `remote --help`, which does not list check's options.
         (("remote", "check", "extra"), "remote check: error: unrecognized arguments: extra (see `python -m coopstudy remote check --help`)"),
     ],

@@ -304,9 +304,13 @@ def _options_before_the_subcommand(parser: argparse.ArgumentParser, argv: list[s
     objective` (argparse would take `tiny` for the benchmark)."""
     if len(argv) < 2 or not argv[1].startswith("-") or argv[1] in ("-h", "--help"):
         return None
-    subcommand = next((a for a in argv[2:] if a in _subcommands(parser, argv[0])), None)
-    if subcommand is None:
+    names = _subcommands(parser, argv[0])
+    if not names:
         return None
+    subcommand = next((a for a in argv[2:] if a in names), None)
+    if subcommand is None:
+        # None at all (argparse would take `--preset tiny`'s `tiny` for one, and say it is no benchmark).
+        return f"name the {argv[0]} command first: `python -m coopstudy {argv[0]} {{{','.join(names)}}} {shlex.join(argv[1:])}`"
     at = argv.index(subcommand, 2)
     return f"options go after the {argv[0]} command: `python -m coopstudy {shlex.join([argv[0], subcommand, *argv[1:at], *argv[at + 1 :]])}`"
 
