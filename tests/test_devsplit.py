@@ -95,6 +95,9 @@ def test_a_source_too_small_for_probes_of_its_own_is_refused_before_any_work(cli
     [
         (("--lrs", "0"), "--lrs: each learning rate must be a positive number"),
         (("--lrs", "1e-3", "0.001"), "--lrs: 0.001 listed twice"),
+        # Given twice, both lists count (before, the first was dropped unsaid).
+        (("--lrs", "1e-3", "--lrs", "0.001"), "--lrs: 0.001 listed twice"),
+        (("--families", "gcd", "--families", "gcd"), "--families: gcd listed twice"),
         (("--updates", "99"), "--updates: between 1 and train.updates (6), not 99"),
         # Refused by the flag's name before the seed is loaded.
         (("--families", "gcd", "gcdd"), "--families: reasoning-gym has no family 'gcdd'; did you mean gcd?"),

@@ -80,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from coopstudy.cli import add_config_arguments
 
     add_config_arguments(parser)
-    parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
+    # Given twice, both lists count, as --set's do (argparse kept only the last).
+    parser.add_argument("--families", nargs="+", action="extend", default=None, metavar="FAMILY",
                         help="reasoning-gym families to try (default: the preset's data.families)")  # fmt: skip
-    parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+    parser.add_argument("--lrs", nargs="+", action="extend", type=float, default=None, metavar="LR",
                         help="learning rates to train at (default: 0.5x, 1x, 2x and 4x the preset's train.lr)")  # fmt: skip
     parser.add_argument("--dev-seed", type=int, default=DEV_SEED, help=f"test seed of the development split (default {DEV_SEED:,})")
     parser.add_argument("--updates", type=int, default=None, help="updates of each training (default: train.updates)")
