@@ -1301,6 +1301,9 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("MLFLOW_TRACKING_URI", "nonsense", "tracking URI 'nonsense' (from MLFLOW_TRACKING_URI) cannot be opened. It names a folder (no scheme, or file:)"),
         # Named as the user set it, not as the config key it becomes.
         ("MLFLOW_EXPERIMENT_NAME", " x ", "MLFLOW_EXPERIMENT_NAME=' x ': a name with spaces at its ends"),
+        # Said as the server refusing ("Invalid url"), or as an unknown host.
+        ("MLFLOW_TRACKING_URI", "http://127.0.0.1:99999", "tracking URI 'http://127.0.0.1:99999' (from MLFLOW_TRACKING_URI) is not a URL: Port out of range"),
+        ("MLFLOW_TRACKING_URI", "http://", "tracking URI 'http://' (from MLFLOW_TRACKING_URI) is not a URL: it names no host"),
         # Set by hand (no MLFLOW_RUN_ID beside it), it names the experiment as for MLflow; before, it was ignored.
         ("MLFLOW_EXPERIMENT_ID", "abc", "MLFLOW_EXPERIMENT_ID=abc: no such experiment in "),
         # MLflow's own experiment: in a local store, its artifacts went to ./mlruns/0 of the folder the step ran in.

@@ -216,6 +216,13 @@ def tracking_uri() -> str:
                 "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
             )
         if parts.scheme in ("http", "https"):
+            # Said here, not as the server refusing ("Invalid url") or as an unknown host.
+            try:
+                parts.port
+            except ValueError as err:
+                raise UserError(f"tracking URI {uri!r} (from {origin(uri)}) is not a URL: {err}") from None
+            if not parts.hostname:
+                raise UserError(f"tracking URI {uri!r} (from {origin(uri)}) is not a URL: it names no host")
             use_http_defaults()
         elif parts.scheme == "sqlite":
             _quiet_sqlite()
