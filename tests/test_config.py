@@ -229,6 +229,8 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
         (("bench arms", "--updates", "0"), "--updates: between 1 and train.updates (6), not 0"),
         (("bench generate", "--items", "0"), "--items: from 1 to 100,000 (got 0)"),
         (("report", "--plan", "xyz"), "--plan 'xyz': expected the plan's sha256 (64 hex digits, or the first 12 or more)"),
+        # Passed under --dry-run, then refused by the step as "File exists".
+        (("report", "--out", "/dev/null"), "report folder /dev/null: cannot make it (a file is there, not a folder)"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
 )

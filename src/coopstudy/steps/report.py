@@ -130,13 +130,18 @@ def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
+def _in_the_way(folder: Path) -> None:
+    """mkdir says "File exists" of a file (or a device, /dev/null) at the folder's name: say what is there."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"report folder {folder}: cannot make it (a file is there, not a folder)")
+
+
 def _make_folder(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        # mkdir says "File exists" of a file at the folder's name: say what is there.
-        what = "a file is there, not a folder" if folder.is_file() else err.strerror
-        raise UserError(f"report folder {folder}: cannot make it ({what})") from None
+        _in_the_way(folder)
+        raise UserError(f"report folder {folder}: cannot make it ({err.strerror})") from None
 
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
@@ -146,6 +151,8 @@ def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     out = getattr(args, "out", None)
     if out is not None and not out.strip():
         raise UserError("--out: an empty path; name a folder (or leave --out out for the default)")
+    if out is not None:
+        _in_the_way(Path(out))  # as the step would say it once its run opened, under --dry-run too
     if getattr(args, "plan", None) is not None:
         records_mod.check_plan_argument(args.plan)
 
