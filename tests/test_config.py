@@ -76,6 +76,8 @@ def test_overrides_are_typed():
         ("data.max_context=4", "data.max_context"),
         ("train.warmup_updates=99", "train.warmup_updates"),
         ("noequals", "expected key=value"),
+        # A list left open was text, said as "Input should be a valid tuple".
+        ("data.families=[gcd, products", "'[gcd, products' is not a YAML list or mapping (expected ',' or ']', but got '<stream end>'); close its brackets"),
         # YAML reads 123 as a number; the line says how to write the name.
         ("experiment=123", """experiment: Input should be a valid string (got 123); YAML read it as a number: put it in quotes to mean text (with --set, inside the shell's word: --set 'experiment="..."')"""),
         # Infinity passes `> 0` and fails far later (a timeout of inf overflows).

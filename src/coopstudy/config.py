@@ -410,7 +410,11 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     # as in a preset file.
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if raw.lstrip()[:1] in ("[", "{"):
+            # A list or mapping left open: taken as text, it was said as "should be a valid tuple".
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(f"override {item!r}: {raw.strip()!r} is not a YAML list or mapping ({problem}); close its brackets") from None
         value = raw
     return key.strip().split("."), value
 
