@@ -30,7 +30,7 @@ import warm_cli
 from filelock import FileLock
 
 from coopstudy import config, workspace
-from coopstudy.commit import require
+from coopstudy.commit import plan, require
 from coopstudy.errors import UserError
 from coopstudy.inputs.seed import Seed, resolve_seed
 from coopstudy.record import schema, writer
@@ -215,8 +215,10 @@ def probed_tiny(probed_tiny_store, tmp_path, monkeypatch) -> Store:
 
 @pytest.fixture
 def planned(monkeypatch) -> str:
-    """A committed, unchanged plan (making a real one takes prepare, verify and probe)."""
+    """A committed, unchanged plan (making a real one takes prepare, verify and
+    probe), whose probes spent nothing (what evaluate's budget guard reads of it)."""
     monkeypatch.setattr(require, "committed_plan", lambda cfg: PLAN)
+    monkeypatch.setattr(plan, "document", lambda cfg, sha: {"budget": {"probes_cost_usd": 0.0}})
     return PLAN
 
 

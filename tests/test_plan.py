@@ -22,7 +22,7 @@ from coopstudy import config, workspace
 from coopstudy.commit import budget, candidates, ledger, plan, receipts, require, sources
 from coopstudy.errors import ConfigError, RefusedError
 from coopstudy.inputs import data
-from coopstudy.record import schema, store
+from coopstudy.record import schema, store, writer
 
 pytestmark = pytest.mark.slow
 
@@ -229,6 +229,29 @@ def test_train_runs_under_the_plan_and_the_budget_guard_counts_what_it_spent(pla
     refused = _runs(f"attributes.run_name = 'train-compressed-tiny' and attributes.status = 'FAILED' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
     assert refused.data.metrics[schema.M_SPENT_BEFORE_USD] == pytest.approx(m[schema.M_COST_USD])
     assert schema.M_COMPLETE_SECONDS not in refused.data.metrics  # nothing was launched
+
+
+def test_evaluate_refuses_once_the_plan_has_spent_its_allocation_or_passed_its_deadline(planned):
+    # The protocol refuses work that would pass either bound; before, only train was guarded,
+    # and evaluate scored on past an allocation its training had used up.
+    priced = ("budget.hourly_price_usd=3600", "budget.allocation_usd=1")
+    cfg = config.load("tiny", priced)
+    assert run_cli("plan", "--preset", "tiny", "--set", *priced).returncode == 0
+    sha = ledger.Ledger().latest(ledger.PLAN, plan.subject(cfg)).digest
+    with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control", tags={schema.TAG_PLAN: sha}) as rec:
+        rec.log_metrics({schema.M_COST_USD: 1.25})
+    done = run_cli("evaluate", "--preset", "tiny", "--set", *priced)
+    said = (f"budget: plan {sha[:12]} has spent $1.25 of budget.allocation_usd $1.00, so evaluate would pass it; "
+            "another plan (a larger budget.allocation_usd or a later budget.deadline) trains both arms again")  # fmt: skip
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [f"coopstudy evaluate: error: {said}"]), done.stderr[-3000:]
+    refused = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and tags.`{schema.TAG_PLAN}` = '{sha}'")[0]
+    assert refused.info.status == "FAILED" and refused.data.tags[schema.TAG_ERROR] == said
+    # Under the allocation, the deadline: past it, evaluate would work after it.
+    doc = plan.document(config.load("tiny"), planned[0])
+    budget.check_spent(config.load("tiny"), planned[0], doc, schema.STAGE_EVALUATE)  # no deadline, nothing spent: goes on
+    late = config.load("tiny", ["budget.deadline=2020-01-01T00:00:00Z"])
+    with pytest.raises(RefusedError, match=r"deadline: budget.deadline 2020-01-01T00:00:00\+00:00 of plan \w+ has passed, so evaluate would work after it"):
+        budget.check_spent(late, planned[0], doc, schema.STAGE_EVALUATE)
 
 
 def test_an_arm_finished_under_the_plan_is_not_trained_again(planned, tiny_seed):

@@ -493,7 +493,7 @@ def test_a_deadline_already_passed_is_refused_before_any_step_runs():
     done = run_cli("study", "--preset", "tiny", "--set", "budget.deadline=2020-01-01T00:00:00Z", "--through", "train", "--arm", "control")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines() == [
-        "coopstudy study: error: budget.deadline 2020-01-01T00:00:00+00:00 has passed, and train-control would train after it; "
+        "coopstudy study: error: budget.deadline 2020-01-01T00:00:00+00:00 has passed, and train-control would run after it; "
         "set a later deadline (--set budget.deadline=...) or none (--set budget.deadline=null)"
     ]
     assert "running" not in done.stdout

@@ -333,18 +333,20 @@ def _step_args(step: Step, study: argparse.Namespace) -> argparse.Namespace:
 
 
 def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, str], checks: Checks) -> None:
-    """Before any step: train refuses to start after budget.deadline, so a
-    study that would train then refuses now, not after the probes' minutes."""
+    """Before any step: train and evaluate refuse to start after
+    budget.deadline, so a study that would run either then refuses now, not
+    after the probes' minutes."""
     when = cfg.budget.deadline
     if when is None or when > datetime.now(timezone.utc):
         return
     # An arm finished under the plan in force is reused; where the plan is
     # committed again meanwhile (a probe rerun), train still refuses. Lost
     # weights stop the study whatever the deadline, and are said as such.
-    to_train = [s.name for s in steps if s.stage == schema.STAGE_TRAIN and _reusable_run(s, checks, keys[s.name])[0] is None]
-    if to_train:
+    working = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
+    to_run = [s.name for s in steps if s.stage in working and _reusable_run(s, checks, keys[s.name])[0] is None]
+    if to_run:
         raise UserError(
-            f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_train)} would train after it; "
+            f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_run)} would run after it; "
             "set a later deadline (--set budget.deadline=...) or none (--set budget.deadline=null)"
         )
 

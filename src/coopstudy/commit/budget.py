@@ -1,5 +1,6 @@
 """The budget: each arm's projected seconds and cost from its probe receipt,
-what the plan has spent so far, and the guard `train` runs before an arm."""
+what the plan has spent so far, the guard `train` runs before an arm, and the
+one `evaluate` runs before it scores."""
 
 from __future__ import annotations
 
@@ -54,6 +55,21 @@ def stage_spent(experiment: str, sha: str, stage: str) -> tuple[float, int]:
     runs = store.search_runs(experiment, f"tags.`{schema.TAG_PLAN}` = '{sha}' and tags.`{schema.TAG_STAGE}` = '{stage}'")
     spent = [r.data.metrics[schema.M_COST_USD] for r in runs if schema.M_COST_USD in r.data.metrics]
     return sum(spent), len(spent)
+
+
+def check_spent(cfg: Config, sha: str, doc: dict[str, Any], stage: str, now: datetime | None = None) -> None:
+    """Refuse `stage`, work the plan projected no cost for (evaluate), once a
+    bound is reached: its allocation spent (probes, train and evaluate runs)
+    or its deadline passed, where any work passes it."""
+    spent = doc["budget"]["probes_cost_usd"] + sum(stage_spent(cfg.experiment, sha, s)[0] for s in (schema.STAGE_TRAIN, schema.STAGE_EVALUATE))
+    allocation, when = cfg.budget.allocation_usd, cfg.budget.deadline
+    again = "another plan (a larger budget.allocation_usd or a later budget.deadline) trains both arms again"
+    if spent >= allocation:
+        raise RefusedError(
+            f"budget: plan {sha[:12]} has spent ${spent:.2f} of budget.allocation_usd ${allocation:.2f}, so {stage} would pass it; {again}"
+        )
+    if when is not None and (now or datetime.now(timezone.utc)) >= when:
+        raise RefusedError(f"deadline: budget.deadline {when.isoformat()} of plan {sha[:12]} has passed, so {stage} would work after it; {again}")
 
 
 def spent_usd(cfg: Config, sha: str, doc: dict[str, Any]) -> tuple[float, int]:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from coopstudy import scoring
-from coopstudy.commit import budget, ledger, require
+from coopstudy.commit import budget, ledger, plan, require
 from coopstudy.config import Config
 from coopstudy.errors import UserError
 from coopstudy.inputs import data
@@ -32,7 +32,8 @@ Holds the device as `train` does, and refuses while another job holds it.
 Refuses (exit 2, a FAILED evaluate run on record) unless both candidates were
 selected and their weights still hash to the selection; also on a checkpoint
 that cannot be loaded, a tokenizer that differs from the seed's, or an empty
-test set.
+test set; and once the plan has spent its budget.allocation_usd (probes, train
+and evaluate runs) or its budget.deadline has passed, where any work passes it.
 Writes: an evaluate run tagged with the plan and the candidates it checked,
 with the seconds it held the device and their cost ({schema.M_COMPLETE_SECONDS},
 {schema.M_DEVICE_SECONDS}, {schema.M_COST_USD}; failed and stopped runs too),
@@ -70,6 +71,8 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
     plan_sha = require.committed_plan(cfg)
     plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
     rec.set_tags(plan_tags)
+    # The protocol refuses work that would pass the allocation or the deadline: evaluate is work.
+    budget.check_spent(cfg, plan_sha, plan.document(cfg, plan_sha), schema.STAGE_EVALUATE)
     selection = require.selection(cfg, plan_sha, ledger.Ledger())
     rec.set_tags(
         {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
