@@ -355,6 +355,13 @@ def test_evaluate_scores_three_models_in_child_runs(selected_apart, capsys):
     assert shas == {"seed": shas["control"], **ledger_shas} and shas["compressed"] != shas["seed"]
     nll = {name: [d["nll_sum"] for d in _table(run, schema.ART_RETENTION_TABLE)] for name, run in children.items()}
     assert nll["control"] == nll["seed"] and nll["compressed"] != nll["seed"]
+    # Once per plan, as training: the screens read the first evaluation, so a second would be
+    # spent for nothing (or a try for other numbers where scoring does not repeat).
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    said = (f"the models were evaluated under plan {PLAN[:12]} (evaluate run {parent.info.run_id}): an evaluation is made once per "
+            "plan, the first one the screens read; go on: `python -m coopstudy report --preset tiny`")  # fmt: skip
+    assert capsys.readouterr().err.strip() == f"coopstudy evaluate: error: {said}"
+    assert len(_runs(f"tags.`{schema.TAG_MODEL}` != ''")) == 3  # nothing scored again
 
 
 def _failed_evaluate_error() -> str:

@@ -443,6 +443,23 @@ def test_train_runs_from_two_seeds_are_refused(tiny):
         records.load(tiny)
 
 
+@pytest.mark.parametrize("score", [None, float("nan"), 1.5, "right"])
+def test_a_case_without_a_score_in_0_1_is_refused_not_counted_wrong(tiny, score):
+    # Before, NaN >= 1.0 read as wrong: a verifier that failed on the seed's answers made the arms' gain.
+    make_study(tiny, models=("control", "compressed"))
+    rows = _case_rows([1.0] * 40 + [0.0] * 160)
+    rows[7] |= {"score": score, "correct": False}
+    with writer.stage_run(schema.STAGE_EVALUATE, tiny, tags={schema.TAG_MODEL: "seed", schema.TAG_CHECKPOINT_SHA: SEED}) as rec:
+        rec.log_table(rows, schema.ART_TEST_TABLE)
+        rec.log_table(_retention_rows(0.0), schema.ART_RETENTION_TABLE)
+    with pytest.raises(
+        RefusedError,
+        match=f"evaluate \\(model seed\\) run {rec.run_id}: 1 case\\(s\\) have no score in \\[0, 1\\] \\(first: case-0007, family \\w+, "
+        "score .*\\): a verifier failed; mend it, then run the study under a new plan",
+    ):
+        records.load(tiny)
+
+
 def test_every_train_attempt_under_the_study_is_reported_beside_the_timed_one(capsys, tiny, tmp_path):
     # Before, a compressed arm trained again until it was fast enough showed
     # only the run select took: the slower and failed attempts were nowhere.

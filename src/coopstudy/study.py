@@ -6,8 +6,9 @@ it left behind still verifies; the key hashes the resolved config, the step's
 own source files and the keys of the steps it depends on, so changed code or
 a rerun upstream step reruns it and everything after it. The steps made once
 per plan are the plan's, whatever key their runs carry (Step.planned): each
-arm's first finished train run under the plan in force, and the plan's
-selection; where such a run's weights are lost, the study stops. Their keys
+arm's first finished train run under the plan in force, the plan's selection
+and its first finished evaluation; where a train run's weights are lost, the
+study stops. Their keys
 hash no upstream key, and the steps after them run again when the plan in
 force is not the one their run ran under: so a plan committed again reruns
 them, and a change that leaves the plan as it was (one binding no number)
@@ -65,7 +66,8 @@ class Step:
     it is made once per plan whatever key its run carries: (that run, what it
     is, in words), or None while there is none. A train step's is the arm's
     first FINISHED run under the plan in force; select's, the run that
-    committed the plan's candidates."""
+    committed the plan's candidates; evaluate's, the plan's first FINISHED
+    evaluation."""
 
 
 @dataclass
@@ -153,6 +155,12 @@ def _planned_select_run(checks: Checks) -> tuple[Any, str] | None:
     return run, f"the selection of plan {plan[:12]}"
 
 
+def _planned_evaluate_run(checks: Checks) -> tuple[Any, str] | None:
+    plan = checks.plan_in_force()
+    run = candidates.first_evaluation(checks.cfg, plan)
+    return None if run is None else (run, f"the evaluation of plan {plan[:12]}")
+
+
 def _holds_checkpoint(run_id: str) -> bool:
     try:
         return store.has_artifact(run_id, f"{schema.ART_CHECKPOINT}/{workspace.WEIGHTS_FILE}")
@@ -175,7 +183,7 @@ STEPS: tuple[Step, ...] = (
     Step(PLAN, PLAN, (PREPARE, VERIFY, PROBE), still_valid=_plan_ok),
     *(Step(train_step(arm), TRAIN, (PLAN,), ("--arm", arm), _checkpoint_ok, _planned_train_run(arm)) for arm in ARMS),
     Step(SELECT, SELECT, tuple(train_step(arm) for arm in ARMS), still_valid=_under_plan_ok, planned=_planned_select_run),
-    Step(EVALUATE, EVALUATE, (SELECT,), still_valid=_under_plan_ok),
+    Step(EVALUATE, EVALUATE, (SELECT,), still_valid=_under_plan_ok, planned=_planned_evaluate_run),
     Step(REPORT, REPORT, (EVALUATE,), still_valid=_under_plan_ok),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)

@@ -110,6 +110,23 @@ def first_finished(cfg: Config, plan_sha: str, arm: str):
     return finished[-1] if finished else None
 
 
+def first_evaluation(cfg: Config, plan_sha: str):
+    """The plan's first FINISHED evaluate run (the parent of one child per
+    model), or None. Its scores are the ones the screens read: the scoring code
+    is the plan's, so a later evaluation could only be a try for other numbers."""
+    finished = [
+        r
+        for r in store.search_runs(
+            cfg.experiment,
+            f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_EVALUATE}' and tags.`{schema.TAG_PLAN}` = '{plan_sha}' "
+            "and attributes.status = 'FINISHED'",
+            order_by=("attributes.start_time ASC",),
+        )
+        if schema.TAG_MODEL not in r.data.tags
+    ]
+    return finished[0] if finished else None
+
+
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
     """Each arm's first FINISHED train run under the plan, as a candidate;
     refuses, naming every arm, when one has not finished."""

@@ -10,9 +10,9 @@ import sys
 import time
 
 from coopstudy import scoring
-from coopstudy.commit import budget, ledger, plan, require
+from coopstudy.commit import budget, candidates, ledger, plan, require
 from coopstudy.config import Config
-from coopstudy.errors import UserError
+from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import schema, writer
@@ -71,6 +71,12 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
     plan_sha = require.committed_plan(cfg)
     plan_tags = {schema.TAG_PLAN: plan_sha, schema.TAG_REQUIRES_PREFIX + ledger.PLAN: plan_sha}
     rec.set_tags(plan_tags)
+    done = candidates.first_evaluation(cfg, plan_sha)
+    if done is not None:
+        raise RefusedError(
+            f"the models were evaluated under plan {plan_sha[:12]} (evaluate run {done.info.run_id}): an evaluation is made "
+            f"once per plan, the first one the screens read; go on: `python -m coopstudy report {cfg.arguments}`"
+        )
     # The protocol refuses work that would pass the allocation or the deadline: evaluate is work.
     budget.check_spent(cfg, plan_sha, plan.document(cfg, plan_sha), schema.STAGE_EVALUATE)
     selection = require.selection(cfg, plan_sha, ledger.Ledger())
