@@ -87,7 +87,6 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         # The code that ran and timed it, derived (a hand list missed the record's writer and the checkpoint).
         training = receipt["sources"]["training"]
         assert {"src/coopstudy/run/worker.py", "src/coopstudy/steps/probe.py", "src/coopstudy/record/writer.py", "src/coopstudy/run/checkpoint.py"} <= set(training)
-        assert "src/coopstudy/cli.py" in training  # the ranks' entry and exit
         assert training == sources.probe_sources_sha256()
         assert receipt["gate_receipt"] == gate_entry.digest
         assert receipt["inputs"]["sha256"] == run.data.tags[schema.TAG_REQUIRES_PREFIX + ledger.INPUTS]

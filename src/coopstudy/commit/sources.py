@@ -8,8 +8,7 @@ receipt binds them.
 
 The deciding sources are every file that decides a number of the study: the
 import closure of the training worker and the stages that launch it, data
-preparation, evaluation and the report, of `python -m coopstudy`'s entry
-(`cli`, where each of those processes starts and exits), and every module of
+preparation, evaluation and the report, and every module of
 `coopstudy/inputs/`, `coopstudy/numerics/` and `analysis/` (DECIDING_ROOTS,
 DECIDING_FOLDERS). Names are relative to the project, e.g.
 `src/coopstudy/run/worker.py`, `analysis/screens.py`. The plan binds them;
@@ -52,9 +51,6 @@ def _hashed(root: Path, names: list[str]) -> tuple[str, dict[str, str]]:
 
 
 DECIDING_ROOTS = (
-    # Every process of a stage starts here (`python -m coopstudy`), the
-    # training ranks too: its exit path is inside their complete seconds.
-    "coopstudy.__main__",
     "coopstudy.run.worker",
     "coopstudy.steps.prepare",
     "coopstudy.steps.train",
@@ -70,7 +66,7 @@ DECIDING_FOLDERS = ("src/coopstudy/inputs", "src/coopstudy/numerics", "analysis"
 imported or not: a module added there is bound without a list to edit."""
 
 
-PROBE_ROOTS = ("coopstudy.__main__", "coopstudy.run.worker", "coopstudy.steps.probe")
+PROBE_ROOTS = ("coopstudy.run.worker", "coopstudy.steps.probe")
 """What runs and times a probe: the training process and the stage that
 launches it (their import closure is the `training` sources of a receipt)."""
 
