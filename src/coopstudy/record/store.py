@@ -81,13 +81,14 @@ LAUNCHER = _launcher()
 # per request) would stall a training loop for minutes per call during an
 # outage, where the outbox is the better place for the record to wait.
 _HTTP = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": ("10", 1),
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": ("2", 0),
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": ("1", 0),
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": ("10", 1, None),
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": ("2", 0, "_MLFLOW_HTTP_REQUEST_MAX_RETRIES_LIMIT"),
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": ("1", 0, "_MLFLOW_HTTP_REQUEST_MAX_BACKOFF_FACTOR_LIMIT"),
 }
-"""Each variable's default here, and the least whole number MLflow takes for it (it
-reads them as int, and refuses less in a traceback at the first request)."""
-HTTP_DEFAULTS = {name: default for name, (default, _) in _HTTP.items()}
+"""Each variable's default here, the least whole number MLflow takes for it, and the
+mlflow.environment_variables limit of the most (it reads them as int, and refuses
+others in a traceback at the first request)."""
+HTTP_DEFAULTS = {name: default for name, (default, _, _) in _HTTP.items()}
 
 
 def is_http(uri: str) -> bool:
@@ -98,10 +99,18 @@ def use_http_defaults() -> None:
     """Short retries for this process and every process it starts (they inherit the environment;
     the DeepSpeed launcher forwards MLFLOW_* variables to other hosts); a value the user set
     that MLflow would refuse is refused here, in one line."""
-    for name, (value, least) in _HTTP.items():
+    from mlflow import environment_variables
+
+    for name, (value, least, limit) in _HTTP.items():
         given = os.environ.setdefault(name, value)
-        if not re.fullmatch(r"\s*[0-9]+\s*", given) or int(given) < least:
-            raise UserError(f"{name}={given!r}: MLflow takes a whole number, at least {least}; unset it for the study's {value}")
+        most = getattr(environment_variables, limit).get() if limit else None
+        try:
+            number = int(given)
+        except ValueError:
+            number = None
+        if number is None or number < least or (most is not None and number > most):
+            takes = f"from {least} to {most}" if most is not None else f"at least {least}"
+            raise UserError(f"{name}={given!r}: MLflow takes a whole number {takes}; unset it for the study's {value}")
     # urllib3 logs every retry of every call; an outage is said once, by the outbox.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
@@ -468,7 +477,8 @@ def _experiment_by_id(value: str) -> str | None:
                 f"MLFLOW_EXPERIMENT_ID={value}: no such experiment in {uri}; unset it, or name the study's experiment "
                 "(MLFLOW_EXPERIMENT_NAME, or --set experiment=NAME)"
             ) from None
-        raise
+        # A server that does not answer, or wants credentials: the step's preflight says so in one line.
+        return None
     try:
         return config_mod.check_experiment(exp.name)
     except ValueError as err:
