@@ -243,7 +243,8 @@ def _find_runs(client, experiment: str, key: StudyKey) -> tuple[dict[str, Any], 
     # arm's first finished training is its candidate: the code that scores is
     # the plan's, so a later run could only be a try for other numbers (scoring
     # that is not repeatable); it is evidence, listed, as is a run of other weights.
-    for model in MODELS:
+    # Without a selection there are no committed weights to look for, nor a plan to look under.
+    for model in MODELS if SELECT_ROLE in runs else ():
         tags = base | {schema.TAG_STAGE: schema.STAGE_EVALUATE, schema.TAG_MODEL: model}
         what = f"evaluate run for model {model}"
         if model in weights:
@@ -281,7 +282,7 @@ def _check_one_study(runs: dict[str, Any], cfg: Config) -> None:
 def _plan_of(runs: dict[str, Any], key: StudyKey) -> str | None:
     plans = sorted({p for run in runs.values() if (p := run.data.tags.get(schema.TAG_PLAN))})
     if len(plans) > 1:
-        raise RefusedError(f"under {key} the newest runs belong to {len(plans)} plans ({', '.join(plans)}); choose one with --plan")
+        raise RefusedError(f"under {key} the runs read belong to {len(plans)} plans ({', '.join(plans)}); choose one with --plan")
     return plans[0] if plans else None
 
 

@@ -446,7 +446,8 @@ def speedups(train: pd.DataFrame, cfg: ScreensConfig) -> list[Screen]:
     waited, complete = _number(row.get("rendezvous_seconds", float("nan"))), float(row["complete_seconds"])
     said = ""
     if waited is not None and waited >= RENDEZVOUS_SAID * complete:
-        said = f"; {waited:.1f} s of the compressed run's {complete:.1f} s its ranks waited to meet (node by node: until the other node's command was started)"
+        said = (f"; {waited:.1f} s of the compressed run's {complete:.1f} s its ranks waited to meet (their start-up skew; node by node, "
+                "until the other node's command was started)")  # fmt: skip
     return [
         _speedup(
             train, "active_seconds", ACTIVE_SPEEDUP, "active speedup",

@@ -100,14 +100,17 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
     assert not (probed_tiny.home / "checkpoints").exists()
 
 
-def test_a_compressed_probe_compresses_its_last_update_whatever_the_presets_dense_phase():
+@pytest.mark.parametrize(
+    "preset, overrides, dense",
+    [("tiny", (), 2), ("smollm2-135m-cpu", (), 2), ("smollm2-1.7b", (), 2), ("tiny", ("probe.updates=5",), 2), ("smollm2-1.7b", ("probe.updates=5",), 4)],
+)
+def test_a_compressed_probe_compresses_at_least_its_last_update(preset, overrides, dense):
+    # Its dense phase cut to end before its last update, never lengthened (tiny's 2 dense updates of 5).
     from coopstudy.steps import probe
 
-    for preset in ("tiny", "smollm2-135m-cpu", "smollm2-1.7b"):
-        cfg = config.load(preset)
-        for candidate, own in probe._candidates(cfg):
-            dense = cfg.probe.updates - 1 if candidate.arm == "compressed" else cfg.powersgd.dense_updates
-            assert own.powersgd.dense_updates == dense, (preset, candidate)
+    cfg = config.load(preset, list(overrides))
+    for candidate, own in probe._candidates(cfg):
+        assert own.powersgd.dense_updates == (dense if candidate.arm == "compressed" else cfg.powersgd.dense_updates), candidate
 
 
 def test_the_choice_is_a_table_and_an_artifact_and_the_preset_is_unchanged(probed_tiny, tmp_path):

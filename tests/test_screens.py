@@ -202,7 +202,7 @@ def test_the_complete_speedup_says_how_long_the_compressed_ranks_waited_to_meet(
     _, complete = sc.speedups(_train((120.0, 130.0), (100.0, 400.0), waited=280.0), CFG)
     assert complete.details["compressed_rendezvous_seconds"] == 280.0 and not complete.passed
     assert complete.sensitivity["note"].endswith(
-        "; 280.0 s of the compressed run's 400.0 s its ranks waited to meet (node by node: until the other node's command was started)"
+        "; 280.0 s of the compressed run's 400.0 s its ranks waited to meet (their start-up skew; node by node, until the other node's command was started)"
     )
     # A start-up skew of one host is not worth a word.
     _, quick = sc.speedups(_train((120.0, 130.0), (100.0, 125.0), waited=6.0), CFG)

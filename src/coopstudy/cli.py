@@ -99,7 +99,7 @@ def _module(name: str) -> ModuleType:
 
 def _with_experiment(overrides: list[str]) -> list[str]:
     """The overrides, plus the experiment the user named outside the config
-    (MLFLOW_EXPERIMENT_NAME, `mlflow run --experiment-name`) unless
+    (MLFLOW_EXPERIMENT_NAME, MLFLOW_EXPERIMENT_ID, `mlflow run --experiment-name`) unless
     `--set experiment=...` names one: that is the study's experiment then."""
     if any(o.split("=", 1)[0].strip() == "experiment" for o in overrides):
         return overrides

@@ -185,7 +185,9 @@ class TrainConfig(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(None, gt=0)
-    """Clip the global gradient norm to this value; none: no clipping."""
+    """Clip the norm of the gradient the update applies to this value (in the
+    compressed phase PowerSGD's approximation of the global gradient, as
+    train/grad_norm says); none: no clipping."""
     precision: Literal["auto", "bf16", "fp32", "fp64"] = "bf16"
     """Autocast dtype of forward and backward; weights, gradients and optimizer
     state stay fp32 (fp64 under precision=fp64). auto: the protocol's bf16

@@ -77,6 +77,12 @@ GATE_MODEL: dict[str, Any] = {
 _DOC_SEED = 20_240_601
 
 
+TENSORS = ("param", "exp_avg", "exp_avg_sq")
+"""What the gate compares per parameter: the weights and AdamW's two moments."""
+SCALARS = ("loss", "grad_norm")
+"""What it compares per update."""
+
+
 class GateFailed(UserError):
     """The batched update does not match the reference."""
 
@@ -305,11 +311,11 @@ def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
 def _compare(case: str, update_no: int, rank: int, got: dict[str, Any], want: dict[str, Any]) -> Row:
     errors: dict[str, float] = {}
     worst: dict[str, str] = {}
-    for kind in ("param", "exp_avg", "exp_avg_sq"):
+    for kind in TENSORS:
         per_tensor = {name: _rel(got[kind][name], want[kind][name]) for name in want[kind]}
         name = max(per_tensor, key=per_tensor.__getitem__)
         errors[kind], worst[kind] = per_tensor[name], name
-    for kind in ("loss", "grad_norm"):
+    for kind in SCALARS:
         errors[kind] = _rel(got[kind], want[kind])
         worst[kind] = f"batched {got[kind]:.12g}, reference {want[kind]:.12g}"
     return Row(case, update_no, rank, errors, worst)
@@ -319,7 +325,7 @@ def _failure(row: Row) -> list[str]:
     out = []
     for kind, err in row.errors.items():
         if err > TOLERANCE:
-            what = f"{kind} {row.worst[kind]}" if kind in ("param", "exp_avg", "exp_avg_sq") else f"{kind} ({row.worst[kind]})"
+            what = f"{kind} {row.worst[kind]}" if kind in TENSORS else f"{kind} ({row.worst[kind]})"
             out.append(
                 f"case {row.case!r}, update {row.update}, rank {row.rank}: {what} differs by "
                 f"{err:.3g} relative (tolerance {TOLERANCE:g})"
@@ -380,8 +386,8 @@ def _refuse_a_diverged_reference(cases: Sequence[Any], reference: dict[str, list
     says it, not as a gate that failed by inf."""
     for case in cases:
         for k, want in enumerate(reference[case.name], start=1):
-            scalars = [(kind, want[kind]) for kind in ("loss", "grad_norm") if not math.isfinite(want[kind])]
-            tensors = [(f"{kind} {name}", "not finite") for kind in ("param", "exp_avg", "exp_avg_sq")
+            scalars = [(kind, want[kind]) for kind in SCALARS if not math.isfinite(want[kind])]
+            tensors = [(f"{kind} {name}", "not finite") for kind in TENSORS
                        for name, t in want[kind].items() if not bool(torch.isfinite(t).all())]  # fmt: skip
             if scalars or tensors:
                 what, value = (scalars or tensors)[0]

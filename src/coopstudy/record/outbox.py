@@ -650,7 +650,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     c.add_argument("--experiment", default=None,
                    help=("the experiment that must take writes, created if missing as a step would (default: the one a step "
-                         f"would write to: MLFLOW_EXPERIMENT_NAME, or {store.DEFAULT_EXPERIMENT})"))  # fmt: skip
+                         f"would write to: MLFLOW_EXPERIMENT_NAME, then MLFLOW_EXPERIMENT_ID, or {store.DEFAULT_EXPERIMENT})"))  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

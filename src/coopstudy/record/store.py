@@ -475,7 +475,7 @@ def _experiment_by_id(value: str) -> str | None:
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise UserError(
                 f"MLFLOW_EXPERIMENT_ID={value}: no such experiment in {uri}; unset it, or name the study's experiment "
-                "(MLFLOW_EXPERIMENT_NAME, or --set experiment=NAME)"
+                "(MLFLOW_EXPERIMENT_NAME, or a step's --set experiment=NAME)"
             ) from None
         # A server that does not answer, or wants credentials: the step's preflight says so in one line.
         return None

@@ -26,7 +26,10 @@ probe.updates updates of the real training loop (`python -m coopstudy worker
 other, so a failure does not end the sweep. On CPU each process is held to
 probe.device_capacity_mb: its peak resident memory is compared with it during
 every backward and after every update, and a candidate above it fails as out
-of memory, as one on a GPU does. Then reports, per arm and allocator, the
+of memory, as one on a GPU does. A compressed candidate compresses at least
+its last update (its dense phase cut to probe.updates - 1 where
+powersgd.dense_updates is longer), so its memory holds PowerSGD's error
+feedback and factors as a full run's does. Then reports, per arm and allocator, the
 largest microbatch that completed and its median update seconds. The preset is
 not changed: the plan (`plan`, or --plan here) records the choice.
 

@@ -48,14 +48,16 @@ Writes: on success, a `{ledger_mod.GATE}` entry (subject {sources.GATE_SUBJECT!r
 def _table(summary: list[dict[str, Any]], tolerance: float):
     from rich.table import Table
 
+    from coopstudy.numerics import gate
+
     table = Table(title=f"equivalence gate (float64, 2 gloo ranks, tolerance {tolerance:g})")
-    for col in ("case", "update", "param", "exp_avg", "exp_avg_sq", "loss", "grad_norm", "result"):
+    for col in ("case", "update", *gate.TENSORS, *gate.SCALARS, "result"):
         table.add_column(col, justify="left" if col == "case" else "right")
     for row in summary:
         table.add_row(
             row["case"],
             str(row["update"]),
-            *(f"{row[k]:.1e}" for k in ("param", "exp_avg", "exp_avg_sq", "loss", "grad_norm")),
+            *(f"{row[k]:.1e}" for k in (*gate.TENSORS, *gate.SCALARS)),
             "[green]pass[/green]" if row["passed"] else "[red]FAIL[/red]",
         )
     return table
