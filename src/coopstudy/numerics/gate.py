@@ -381,7 +381,7 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
 
 
 def _refuse_a_diverged_reference(cases: Sequence[Any], reference: dict[str, list[dict[str, Any]]], cfg: Config) -> None:
-    """Where the reference itself left finite numbers (a learning rate that
+    """Where the reference itself left numbers that are not finite (a learning rate that
     diverges), the comparison says nothing of the numerics: said as training
     says it, not as a gate that failed by inf."""
     for case in cases:
