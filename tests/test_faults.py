@@ -1297,6 +1297,8 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("COOPSTUDY_HOME", "/proc/1", "the study's home /proc/1: cannot make /proc/1/"),
         # A home that cannot be made at all.
         ("COOPSTUDY_HOME", "/proc/nosuch/home", "the study's home /proc/nosuch/home: cannot be made (No such file or directory"),
+        # A link to nothing: said before as its parent folder being a file.
+        ("COOPSTUDY_HOME", "{dangling}", "the study's home {dangling}: a symbolic link that leads to no folder"),
         # A word with no scheme is a folder store to MLflow, which refuses it with a migration notice.
         ("MLFLOW_TRACKING_URI", "nonsense", "tracking URI 'nonsense' (from MLFLOW_TRACKING_URI) cannot be opened. It names a folder (no scheme, or file:)"),
         # Named as the user set it, not as the config key it becomes.
@@ -1312,6 +1314,8 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
 )
 def test_a_bad_environment_is_one_line_and_exit_2(variable, value, said, tmp_path):
     paths = {"file": _a_file(tmp_path), "folder": tmp_path, "text": tmp_path / "notes.txt", "binary": tmp_path / "remote.txt"}
+    paths["dangling"] = tmp_path / "home-link"
+    paths["dangling"].symlink_to(tmp_path / "nowhere")
     paths["text"].write_text("not a database\n")
     paths["binary"].write_bytes(b"http://tracking\xff\n")
     env = {variable: value.format(**paths)}

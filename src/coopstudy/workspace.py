@@ -43,6 +43,9 @@ def home() -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
+        if root.is_symlink() and not root.exists():
+            # A link to nothing (or a loop of links): its parent is no file, as the line below would say.
+            raise UserError(f"the study's home {root}: a symbolic link that leads to no folder (set {HOME_VARIABLE} to move it)") from None
         blocking = next(p for p in (root, *root.parents) if p.exists())
         raise UserError(f"the study's home {root}: {blocking} is a file, not a folder (set {HOME_VARIABLE} to move it)") from None
     except PermissionError:
