@@ -1297,6 +1297,8 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("COOPSTUDY_HOME", "/proc/1", "the study's home /proc/1: cannot make /proc/1/"),
         # A home that cannot be made at all.
         ("COOPSTUDY_HOME", "/proc/nosuch/home", "the study's home /proc/nosuch/home: cannot be made (No such file or directory"),
+        # Said before as no such file.
+        ("COOPSTUDY_REMOTE_FILE", "/dev/null", "COOPSTUDY_REMOTE_FILE=/dev/null: not a regular file (a pipe, socket or device)"),
         # A link to nothing: said before as its parent folder being a file.
         ("COOPSTUDY_HOME", "{dangling}", "the study's home {dangling}: a symbolic link that leads to no folder"),
         # A word with no scheme is a folder store to MLflow, which refuses it with a migration notice.

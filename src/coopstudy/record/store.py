@@ -136,7 +136,8 @@ def remote_file() -> Path:
     if named and Path(named).is_dir():
         raise UserError(f"{ENV_REMOTE_FILE}={named}: a folder, not a file")
     if named and not Path(named).is_file():
-        raise UserError(f"{ENV_REMOTE_FILE}={named}: no such file")
+        what = "not a regular file (a pipe, socket or device)" if Path(named).exists() else "no such file"
+        raise UserError(f"{ENV_REMOTE_FILE}={named}: {what}")
     return Path(named) if named else workspace.project_root() / REMOTE_FILE
 
 
