@@ -165,14 +165,12 @@ class Records:
     """The budget the plan committed (price, allocation, deadline, the probes'
     cost, the projected cost of probes and both arms); None without a plan."""
     spent: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """Per stage of SPENDING_STAGES, under the plan: (USD, runs that logged a
+    """Per stage of budget.SPENDING_STAGES, under the plan: (USD, runs that logged a
     cost), failed and stopped runs too (commit.budget.stage_spent, which the
     train guard sums as well); empty without a plan."""
 
 
 SELECT_ROLE = "select"
-SPENDING_STAGES = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
-"""The stages under a plan whose runs log what they spent (the probes' cost is the plan's own figure)."""
 
 
 def _finished(experiment: str, tags: dict[str, str], order: str = "DESC") -> list:
@@ -502,5 +500,5 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         retention=retention,
         inputs=_inputs(train_runs, cfg.experiment),
         budget=planned.get("budget") if planned else None,
-        spent={stage: budget.stage_spent(cfg.experiment, plan_sha, stage) for stage in SPENDING_STAGES} if plan_sha else {},
+        spent={stage: budget.stage_spent(cfg.experiment, plan_sha, stage) for stage in budget.SPENDING_STAGES} if plan_sha else {},
     )

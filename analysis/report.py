@@ -18,9 +18,10 @@ import math
 from typing import Any
 
 from analysis import screens as sc
-from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, SPENDING_STAGES, Records
+from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
 from analysis.screens import evaluate_role
 from coopstudy import config as config_mod
+from coopstudy.commit import budget
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import ConfigError
 from coopstudy.record import schema, store
@@ -139,7 +140,7 @@ def _budget(records: Records) -> dict[str, Any] | None:
     planned = records.budget
     if planned is None:
         return None
-    (train, train_runs), (evaluate, evaluate_runs) = (records.spent[stage] for stage in SPENDING_STAGES)
+    (train, train_runs), (evaluate, evaluate_runs) = (records.spent[stage] for stage in budget.SPENDING_STAGES)
     return {
         "allocation_usd": planned["allocation_usd"],
         "deadline": planned["deadline"],

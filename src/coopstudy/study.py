@@ -33,7 +33,7 @@ from typing import Any
 
 from coopstudy import steps as steps_pkg
 from coopstudy import workspace
-from coopstudy.commit import candidates, require, sources
+from coopstudy.commit import budget, candidates, require, sources
 from coopstudy.config import ARMS, BOTH, Config, arms_of
 from coopstudy.errors import UserError
 from coopstudy.record import schema, store, writer
@@ -350,8 +350,7 @@ def _refuse_a_passed_deadline(cfg: Config, steps: list[Step], keys: dict[str, st
     # An arm finished under the plan in force is reused; where the plan is
     # committed again meanwhile (a probe rerun), train still refuses. Lost
     # weights stop the study whatever the deadline, and are said as such.
-    working = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
-    to_run = [s.name for s in steps if s.stage in working and _reusable_run(s, checks, keys[s.name])[0] is None]
+    to_run = [s.name for s in steps if s.stage in budget.SPENDING_STAGES and _reusable_run(s, checks, keys[s.name])[0] is None]
     if to_run:
         raise UserError(
             f"budget.deadline {when.isoformat()} has passed, and {' and '.join(to_run)} would run after it; "

@@ -14,6 +14,11 @@ from coopstudy.errors import RefusedError
 from coopstudy.record import schema, store
 
 
+SPENDING_STAGES = (schema.STAGE_TRAIN, schema.STAGE_EVALUATE)
+"""The stages under a plan whose runs hold devices and log what they spent
+(the probes' cost is the plan's own figure): what the guards stop at a bound."""
+
+
 def cost_usd(device_seconds: float, hourly_price_usd: float) -> float:
     """What devices held this long cost: the one formula of every spent and
     projected cost the guard compares."""
@@ -61,7 +66,7 @@ def check_spent(cfg: Config, sha: str, doc: dict[str, Any], stage: str, now: dat
     """Refuse `stage`, work the plan projected no cost for (evaluate), once a
     bound is reached: its allocation spent (probes, train and evaluate runs)
     or its deadline passed, where any work passes it."""
-    spent = doc["budget"]["probes_cost_usd"] + sum(stage_spent(cfg.experiment, sha, s)[0] for s in (schema.STAGE_TRAIN, schema.STAGE_EVALUATE))
+    spent = doc["budget"]["probes_cost_usd"] + sum(stage_spent(cfg.experiment, sha, s)[0] for s in SPENDING_STAGES)
     allocation, when = cfg.budget.allocation_usd, cfg.budget.deadline
     again = "another plan (a larger budget.allocation_usd or a later budget.deadline) trains both arms again"
     if spent >= allocation:

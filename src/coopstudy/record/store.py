@@ -413,6 +413,11 @@ def _create_experiment(mlflow_client, name: str) -> None:
     SqlAlchemyStore(tracking_uri(), str(root)).create_experiment(name, tags=[ExperimentTag(k, v) for k, v in tags.items()])
 
 
+_NOT_THERE = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+"""MLflow's error codes of an answer that a run or experiment is not there (an
+outage or a refusal answers otherwise, and is the preflight's to say)."""
+
+
 @functools.cache
 def check_launcher() -> None:
     """Refuse an MLFLOW_RUN_ID or MLFLOW_EXPERIMENT_ID that names nothing in
@@ -436,7 +441,7 @@ def check_launcher() -> None:
             get(value)
         except MlflowException as err:
             # Only an answer that it is not there: an outage is the preflight's to say.
-            if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            if err.error_code in _NOT_THERE:
                 raise UserError(f"{variable}={value}: no such {what} in {uri}; {hint}") from None
 
 
@@ -473,7 +478,7 @@ def _experiment_by_id(value: str) -> str | None:
     try:
         exp = client(uri, "MLFLOW_TRACKING_URI").get_experiment(value)
     except MlflowException as err:
-        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+        if err.error_code in _NOT_THERE:
             raise UserError(
                 f"MLFLOW_EXPERIMENT_ID={value}: no such experiment in {uri}; unset it, or name the study's experiment "
                 "(MLFLOW_EXPERIMENT_NAME, or a step's --set experiment=NAME)"
