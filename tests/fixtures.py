@@ -30,7 +30,7 @@ import warm_cli
 from filelock import FileLock
 
 from coopstudy import config, workspace
-from coopstudy.commit import plan, require
+from coopstudy.commit import plan, require, sources
 from coopstudy.errors import UserError
 from coopstudy.inputs.seed import Seed, resolve_seed
 from coopstudy.record import schema, writer
@@ -74,6 +74,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
     if done is not None:
         return done
     return subprocess.run([sys.executable, "-m", "coopstudy", *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A training process started by hand, as launch starts one: `python -m coopstudy.run.worker ARGS`."""
+    full = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", sources.WORKER, *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,21 @@ def _made_store(tmp_path_factory: pytest.TempPathFactory, name: str, make: Calla
     folder = made_once(tmp_path_factory, name, fill)
     printed = subprocess.CompletedProcess(**json.loads((folder / _PRINTED).read_text()))
     return Store(folder / "home", folder / "mlflow.db", printed)
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 4 MiB filesystem of its own (tmpfs, mounted as root), filled up by the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()[:200]}")
+    try:
+        yield disk
+    finally:
+        # Lazily: this process may still hold the database open (MLflow keeps its engine).
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import yaml
-from fixtures import ROOT, checkout_copy, run_cli
+from fixtures import ROOT, checkout_copy, run_cli, run_worker
 
 from coopstudy import config
 from coopstudy.record import schema, store
@@ -155,7 +155,7 @@ def test_help_lists_every_command_without_loading_torch(cli):
     done = cli("--help")
     assert done.returncode == 0, done.stderr[-3000:]
     listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("    ") and line[4] != " "]
-    assert listed == [c for c in (*parser.STEPS, *parser.TOOLS) if c not in parser.UNLISTED]
+    assert listed == [*parser.STEPS, *parser.TOOLS]
     heavy = ("torch", "transformers", "mlflow", "pandas")
     probe = f"import sys; from coopstudy import cli; cli.build_parser(); print(sorted(set({heavy!r}) & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -314,13 +314,32 @@ def test_every_help_says_where_the_files_and_the_runs_go(cli):
     "argv, line",
     [
         (("remote",), "coopstudy remote: error: the following arguments are required: COMMAND (see `python -m coopstudy remote --help`)"),
-        # Started by hand with a word no stage made: zlib's error would end in a traceback.
-        (("worker", "--arm", "control", "--config", "nonsense", "--run-id", "0" * 32),
-         "coopstudy worker (control, rank 0): --config: not a config encode_config made (the worker is started by train, probe and bench arms)"),
     ],
-    ids=["remote without its command", "worker --config nonsense"],
+    ids=["remote without its command"],
 )
-def test_a_tool_or_the_worker_given_too_little_is_one_line(cli, argv, line):
+def test_a_tool_given_too_little_is_one_line(cli, argv, line):
     done = cli(*argv)
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == line, done.stderr[-3000:]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        # Started by hand with a word no stage made: zlib's error would end in a traceback.
+        (("--arm", "control", "--config", "nonsense", "--run-id", "0" * 32),
+         "coopstudy worker (control, rank 0): --config: not a config encode_config made (the worker is started by train, probe and bench arms)"),
+        (("--arm", "contrl", "--config", "nonsense", "--run-id", "0" * 32),
+         "coopstudy worker: error: argument --arm: invalid choice: 'contrl' (choose from 'control', 'compressed')"),
+    ],
+    ids=["--config nonsense", "--arm misspelt"],
+)
+def test_a_worker_started_by_hand_with_bad_arguments_is_one_line(argv, line):
+    done = run_worker(*argv)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], done.stderr[-3000:]
+
+
+def test_the_worker_is_no_command_of_the_command_line(cli):
+    # A training process starts at its own entry, which the plan binds (commit.sources.WORKER).
+    done = cli("worker", "--arm", "control")
+    assert done.returncode == 2 and "invalid choice: 'worker'" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr

@@ -59,7 +59,7 @@ def test_a_second_training_job_on_the_same_devices_is_refused(cli):
     assert f"pid {os.getpid()}" in run.data.tags[schema.TAG_ERROR]
 
 
-@pytest.mark.parametrize("argv", [("evaluate",), ("dev-split",), ("bench", "objective"), ("bench", "generate")], ids=" ".join)
+@pytest.mark.parametrize("argv", [("evaluate",), ("dev-split",), ("verify",), ("bench", "objective"), ("bench", "generate")], ids=" ".join)
 def test_a_job_that_computes_in_one_process_shares_no_device_with_training(cli, argv):
     # Its work would spoil the training job's timings, and the training job its own.
     with lock.device_lock(launch.local_devices(1), "a training job in this test"):
@@ -100,11 +100,16 @@ def test_a_launch_that_asks_for_more_cores_than_the_host_gives_says_so(capsys):
     assert "cores (ranks x" not in capsys.readouterr().err
 
 
-def test_the_lock_is_free_again_after_the_holder_ends():
+def test_the_lock_is_free_again_after_the_holder_ends(capsys):
     with lock.device_lock(["cpu"], "first"):
         pass
-    with lock.device_lock(["cpu"], "second"):
-        pass
+    # Nobody is named in it, so another process takes it without a word (this one would take its own pid silently).
+    assert [p.read_text() for p in (workspace.home() / "locks").glob("*.lock")] == [""]
+    taken = subprocess.run(
+        [sys.executable, "-c", "from coopstudy.run import lock\nwith lock.device_lock(['cpu'], 'second'):\n    print('held')"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (taken.returncode, taken.stdout, taken.stderr) == (0, "held\n", ""), taken.stderr[-3000:]
 
 
 def _world_info(cmd: list[str]) -> dict:
@@ -120,7 +125,7 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     # DeepSpeed's per-node launcher, given this host's two devices as the runner would.
     assert one_host[1:4] == ["-u", "-m", "coopstudy.run.one_host_launcher"]
     assert _world_info(one_host) == {"localhost": [0, 1]}
-    assert one_host[one_host.index("--module") + 1 :][:2] == ["coopstudy", "worker"]
+    assert one_host[one_host.index("--module") + 1] == "coopstudy.run.worker"
     assert one_host[one_host.index("--run-id") + 1] == "RUN"
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("host-a slots=1\nhost-b slots=1\n")
@@ -131,7 +136,7 @@ def test_compressed_arm_command_one_host_and_two_hosts(tmp_path: Path, monkeypat
     assert two_hosts[two_hosts.index("--num_nodes") + 1] == "2"
     assert two_hosts[two_hosts.index("--num_gpus") + 1] == "1"
     control = launch.command(cfg, "control", "RUN").argv
-    assert control[1:4] == ["-m", "coopstudy", "worker"] and "deepspeed" not in " ".join(control)
+    assert control[1:3] == ["-m", "coopstudy.run.worker"] and "deepspeed" not in " ".join(control)
 
 
 def test_nccl_without_cuda_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
@@ -193,7 +198,7 @@ def test_one_node_of_a_job_started_by_hand_on_each_host(tmp_path: Path, monkeypa
     flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}
     assert (flags["--node_rank"], flags["--master_addr"], flags["--master_port"]) == ("1", "10.0.0.1", "29600")
     assert (flags["--hostfile"], flags["--num_nodes"], flags["--num_gpus"]) == (str(hostfile), "2", "1")
-    assert cmd[cmd.index("--module") + 1 :][:2] == ["coopstudy", "worker"] and flags["--run-id"] == "RUN"
+    assert cmd[cmd.index("--module") + 1] == "coopstudy.run.worker" and flags["--run-id"] == "RUN"
 
 
 STALE_HOLDER = """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from fixtures import ROOT, module_store, run_cli
 
 from coopstudy import config, errors, study, workspace
+from coopstudy.commit import sources
 from coopstudy.errors import RefusedError
 from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import checkpoint, launch, lock, worker
@@ -175,9 +177,9 @@ def _rank_processes(parent: psutil.Process) -> dict[int, psutil.Process]:
     for proc in parent.children(recursive=True):
         try:
             cmd = proc.cmdline()
-            # A rank is `python -u -m coopstudy worker ...`; the launcher's own
+            # A rank is `python -u -m coopstudy.run.worker ...`; the launcher's own
             # command line names the module too, after --module.
-            if "-m" in cmd and cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3] == ["coopstudy", "worker"]:
+            if "-m" in cmd and cmd[cmd.index("-m") + 1] == sources.WORKER:
                 ranks[int(proc.environ()["LOCAL_RANK"])] = proc
         except (psutil.Error, KeyError):
             continue
@@ -231,12 +233,17 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     assert ended_in < timeout + 30
     last_line = stderr.strip().splitlines()[-1]
     assert last_line.startswith("coopstudy train: error: compressed arm failed"), stderr[-3000:]
+    # Rank 0 says its side in one line, not gloo's traceback (that is on the run).
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert re.search(r"coopstudy worker \(compressed, rank 0\): a collective failed, another rank having gone \((Connection (closed|reset) by peer|Broken pipe)\)", stderr), stderr[-3000:]
     failed = _client().get_run(run.info.run_id)
     assert failed.info.status == "FAILED"
     error = failed.data.tags[schema.TAG_ERROR]
     assert "compressed arm failed (a rank was killed by SIGKILL)" in error, error
     assert "rank 1 recorded no error" in error, error
+    assert re.search(r"; rank 0: RuntimeError: a collective failed, another rank having gone \([^)]+\)", error), error
     assert f"{schema.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
+    assert f"{schema.ART_WORKER_ERROR_PREFIX}0.txt" in {a.path for a in _client().list_artifacts(run.info.run_id, schema.ART_WORKER_ERROR_PREFIX.rpartition("/")[0])}  # its traceback
     assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
     # What rank 0 measured before it failed (update 1 at least) reached the run.
     assert 1 <= len(_history(failed, schema.M_LOSS)) < KILL_UPDATES

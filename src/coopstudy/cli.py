@@ -10,18 +10,17 @@ refuses in its arguments before any work, which `--dry-run` refuses too), and
 
 Then the tools: `bench` (benchmarks, which load a preset like a step),
 `dev-split` (families and learning rate measured on a development split),
-`remote` (the tracking server: check it, deliver what waited) and `worker`
-(one training process, started by `train` and `probe`, never by hand). A tool
-module defines `HELP` and `add_arguments(parser)`; one that loads a preset
+`remote` (the tracking server: check it, deliver what waited). (A training
+process is not a command: `train`, `probe` and `bench arms` start
+`python -m coopstudy.run.worker`, whose entry is its own.) A tool module defines `HELP` and `add_arguments(parser)`; one that loads a preset
 (bench, dev-split: it calls `add_config_arguments`) is run as a step is, through
 `run(cfg, args)` and an optional `check_arguments(cfg, args)` that `--dry-run`
-calls too; the others (remote, worker) through `main(args) -> int`.
+calls too; remote through `main(args) -> int`.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import gc
 import importlib.util
 import json
@@ -36,6 +35,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from coopstudy import config as config_mod
+from coopstudy import errors
 from coopstudy import steps as steps_pkg
 from coopstudy import workspace
 from coopstudy.errors import UserError
@@ -45,10 +45,7 @@ STUDY_STAGES = steps_pkg.ORDER
 """The steps a study runs, in protocol order (`--help` lists them so)."""
 STEPS = (*STUDY_STAGES, schema.STAGE_STUDY)
 """Every step command: the study's, then `study`, which runs them all."""
-TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox", "worker": "coopstudy.run.worker"}
-# Started by `train` and `probe`, never by hand, so `--help` does not list it:
-# the training loop's module imports torch, and listing it would cost seconds.
-UNLISTED = ("worker",)
+TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox"}
 SUBCOMMAND_DESTS = ("bench", "command")
 """Where `bench` and `remote` keep their subcommand: a refusal names it as the parser does."""
 DEFAULT_PRESET = "smollm2-135m-cpu"
@@ -169,14 +166,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "A pre-registered study: PowerSGD-compressed two-worker DDP fine-tuning against a "
             "single-device control, every step an MLflow run. The steps run in the order listed, "
             "prepare to report (`study` runs them all, reusing what is done); each refuses when a "
-            f"commitment it depends on is missing or changed. {', '.join(t for t in TOOLS if t not in UNLISTED)}: "
+            f"commitment it depends on is missing or changed. {', '.join(TOOLS)}: "
             "tools beside them."
         ),
     )
     parser.add_argument("--version", action=_Version)
     parser.epilog = where_things_go()
     sub = parser.add_subparsers(dest="step", metavar="COMMAND", required=True)
-    for name in [n for n in (*STEPS, *TOOLS) if n not in UNLISTED] if only is None else (only,):
+    for name in (*STEPS, *TOOLS) if only is None else (only,):
         module = _module(name)
         p = sub.add_parser(
             name,
@@ -250,19 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coopstudy {args.step}: {said}", file=sys.stderr)
         return 128 + signum
     except OSError as err:
-        # A full disk is the machine's state, not a defect: one line. What was
-        # being written went to a temporary name and was never taken for valid.
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            where = f" writing {err.filename}" if err.filename else ""
-            print(f"coopstudy {args.step}: error: {err.strerror}{where}; free some space and run it again", file=sys.stderr)
+        said = errors.os_error_said(err)
+        if said is None:
+            raise
+        if err.errno in errors.FULL_DISK:
+            # Not marked refused: the record may sit on the same full disk.
+            print(f"coopstudy {args.step}: error: {said}", file=sys.stderr)
             return 2
-        # A path in the way (a folder where a file belongs, a file where a
-        # folder does, no permission, a read-only disk) is the user's to move:
-        # one line naming it (a rename's target, not its temporary source),
-        # and a step run already open keeps the traceback (error.txt).
-        if err.errno in (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS) and err.filename:
-            return _refuse(args, UserError(f"{err.filename2 or err.filename}: {err.strerror}"))
-        raise
+        # A step run already open keeps the traceback (error.txt).
+        return _refuse(args, UserError(said))
     except Exception as err:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.
         from coopstudy.record import store, writer

@@ -1,6 +1,7 @@
 """Errors a user can fix. The CLI prints them as one line and exits 2; any
 other exception is a bug and keeps its traceback."""
 
+import errno
 
 INTERRUPTED = "interrupted (SIGINT)"
 """How a stop by Ctrl-C is told (its KeyboardInterrupt says nothing)."""
@@ -30,6 +31,26 @@ class RefusedError(UserError):
 class Stopped(Exception):
     """The process was asked to stop (SIGTERM): the launcher stops every rank
     once one has failed, and the stage stops its processes when it is stopped."""
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+"""A full disk is the machine's state, not a defect: said in one line. What
+was being written went to a temporary name and was never taken for valid."""
+IN_THE_WAY = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+"""A path in the way (a folder where a file belongs, a file where a folder
+does, no permission, a read-only disk) is the user's to move: said in one line."""
+
+
+def os_error_said(err: OSError) -> str | None:
+    """A full disk or a path in the way, in the words every process says it
+    (the command line, a training rank); None for any other OSError."""
+    if err.errno in FULL_DISK:
+        where = f" writing {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}; free some space and run it again"
+    if err.errno in IN_THE_WAY and err.filename:
+        # A rename's target, not its temporary source.
+        return f"{err.filename2 or err.filename}: {err.strerror}"
+    return None
 
 
 def chain(err: BaseException, outer: BaseException | None = None) -> list[BaseException]:

@@ -188,8 +188,6 @@ STEPS: tuple[Step, ...] = (
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 MODULES: dict[str, ModuleType] = {stage: importlib.import_module(f"{steps_pkg.__name__}.{stage}") for stage in steps_pkg.ORDER}
-WORKER = "coopstudy.run.worker"
-"""Started by command, not imported: the training steps' sources include it by name."""
 
 
 def step_sources(step: Step) -> list[str]:
@@ -197,7 +195,7 @@ def step_sources(step: Step) -> list[str]:
     imports (for training, the worker it starts too), derived, not listed."""
     roots = [MODULES[step.stage].__name__]
     if step.stage in (PROBE, TRAIN):
-        roots.append(WORKER)
+        roots.append(sources.WORKER)
     return sources.closure(*roots)
 
 

@@ -30,7 +30,7 @@ shape (train.updates global batches of train.global_batch).
 
 `arms`: both arms' real training loops, one after the other (control first),
 each launched exactly as `train` launches it (coopstudy.run.launch: the
-control one plain `python -m coopstudy worker` process, the compressed arm
+control one plain `python -m coopstudy.run.worker` process, the compressed arm
 that command under the DeepSpeed launcher, with the same environment and
 thread settings), for --updates updates of the committed schedule (by
 default all of it, so that each phase's medians are over the updates the

@@ -50,8 +50,14 @@ def _hashed(root: Path, names: list[str]) -> tuple[str, dict[str, str]]:
     return combined, files
 
 
+WORKER = "coopstudy.run.worker"
+"""The module every training process runs, from its start to its exit
+(`python -m coopstudy.run.worker`, started by coopstudy.run.launch, never
+imported by a stage): so the plan binds what a rank runs inside its timed
+seconds, and not the command line's help texts (coopstudy.cli)."""
+
 DECIDING_ROOTS = (
-    "coopstudy.run.worker",
+    WORKER,
     "coopstudy.steps.prepare",
     "coopstudy.steps.train",
     "coopstudy.steps.evaluate",
@@ -66,7 +72,7 @@ DECIDING_FOLDERS = ("src/coopstudy/inputs", "src/coopstudy/numerics", "analysis"
 imported or not: a module added there is bound without a list to edit."""
 
 
-PROBE_ROOTS = ("coopstudy.run.worker", "coopstudy.steps.probe")
+PROBE_ROOTS = (WORKER, "coopstudy.steps.probe")
 """What runs and times a probe: the training process and the stage that
 launches it (their import closure is the `training` sources of a receipt)."""
 

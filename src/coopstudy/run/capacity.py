@@ -1,4 +1,4 @@
-"""A probe's half inside a training process (`python -m coopstudy worker
+"""A probe's half inside a training process (`python -m coopstudy.run.worker
 --probe`): `RankProbe` holds the process to the device's capacity and,
 however the process ends, writes what it measured to the candidate's run
 (through the tracking store, so a rank on a second host reports the same

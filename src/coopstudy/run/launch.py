@@ -1,6 +1,6 @@
 """Starting one arm's processes and timing them from the outside.
 
-The control is one plain process, `python -m coopstudy worker`. The compressed
+The control is one plain process, `python -m coopstudy.run.worker`. The compressed
 arm is the same command started by the DeepSpeed launcher, which only starts
 ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): on one host
 its per-node launcher directly (coopstudy.run.one_host_launcher), on two
@@ -48,6 +48,7 @@ import psutil
 
 from coopstudy import config as config_mod
 from coopstudy import machine, workspace
+from coopstudy.commit import sources
 from coopstudy.config import COMPRESSED, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import INTERRUPTED, NCCL_WITHOUT_CUDA, UserError
 from coopstudy.record import schema, store, writer
@@ -225,7 +226,7 @@ def command(
         if capacity_mb is not None:
             worker_args += ["--capacity-mb", str(capacity_mb)]
     if workers == 1:
-        return Command([sys.executable, "-m", "coopstudy", "worker", *worker_args], "1 process", threads)
+        return Command([sys.executable, "-m", sources.WORKER, *worker_args], "1 process", threads)
     check_backend(cfg, ranks_here=hostfile is None or nodes is not None)
     # --no_local_rank: LOCAL_RANK is in every rank's environment; the argument would come before the command.
     if nodes is not None:
@@ -239,7 +240,7 @@ def command(
         per_node = workers // nodes
         first, last = node_rank * per_node, (node_rank + 1) * per_node - 1
         how = f"node {node_rank} of {nodes} (ranks {first}-{last} of {workers}), rendezvous {master_addr}:{master_port}"
-        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how, per_node * threads)
+        return Command([*launcher, "--module", sources.WORKER, *worker_args], how, per_node * threads)
     port = str(workspace.free_port())
     if hostfile is not None:
         # One rank per host, as many hosts as workers, from the hostfile
@@ -247,7 +248,7 @@ def command(
         launcher = [_deepspeed(), "--master_port", port, "--log_level", "warning", "--no_local_rank"]
         launcher += ["--hostfile", str(hostfile), "--num_nodes", str(workers), "--num_gpus", "1"]
         how = f"{workers} ranks on the hostfile's hosts via the DeepSpeed runner over ssh"
-        return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], how, over_ssh=True)
+        return Command([*launcher, "--module", sources.WORKER, *worker_args], how, over_ssh=True)
     # The devices this job was given (CUDA_VISIBLE_DEVICES kept), as the
     # runner's --include would name them; on CPU, device ids 0..n-1.
     devices = _visible_gpus()[:workers] if machine.cuda_available() else [str(i) for i in range(workers)]
@@ -259,7 +260,7 @@ def command(
         sys.executable, "-u", "-m", one_host_launcher.__name__, f"--world_info={_world_info(devices)}",
         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--log_level=warning",
     ]  # fmt: skip
-    return Command([*launcher, "--module", "coopstudy", "worker", *worker_args], f"{workers} ranks via the DeepSpeed launcher", workers * threads)
+    return Command([*launcher, "--module", sources.WORKER, *worker_args], f"{workers} ranks via the DeepSpeed launcher", workers * threads)
 
 
 def check_backend(cfg: Config, *, ranks_here: bool) -> None:

@@ -1,8 +1,9 @@
 """The one training loop: control, compressed arm and probes.
 
-Every training process runs `python -m coopstudy worker`: the control as one
-plain process, the compressed arm as ranks the DeepSpeed launcher starts
-(coopstudy.run.launch). What differs between them is only what
+Every training process runs `python -m coopstudy.run.worker` (`entry`, this
+module's own, from the process's start to its exit, so that the plan binds
+all it runs: commit.sources.WORKER): the control as one plain process, the
+compressed arm as ranks the DeepSpeed launcher starts (coopstudy.run.launch). What differs between them is only what
 `distributed.init` finds in the environment (one process, or RANK and
 WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
 
@@ -32,12 +33,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import socket
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 import torch
 
@@ -315,13 +318,14 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
     return [rss, torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20]
 
 
-def _record_error(run_id: str, rank: int, err: BaseException) -> None:
-    """Keep this process's error on the run; the stage's own error tag says
-    what it saw from outside (exit codes), this says why."""
+def _record_error(run_id: str, rank: int, err: BaseException, said: str | None = None) -> None:
+    """Keep this process's error on the run (its tag `said` where given);
+    the stage's own error tag says what it saw from outside (exit codes), this says why."""
     _ending()
     try:
         rec = writer.Recorder(run_id)
-        rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": errors.labelled(err)[: writer.MAX_TAG_CHARS]})
+        tag = f"{type(err).__name__}: {said}" if said else errors.labelled(err)
+        rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": tag[: writer.MAX_TAG_CHARS]})
         rec.log_text("".join(traceback.format_exception(err)), f"{schema.ART_WORKER_ERROR_PREFIX}{rank}.txt")
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
         pass
@@ -355,7 +359,14 @@ def _positive(raw: str) -> int:
     return value
 
 
-HELP = "one training process of an arm (started by `train` and `probe`, not by hand)"
+HELP = "one training process of an arm (started by `train`, `probe` and `bench arms`, not by hand)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument in one line, as the command line says its own."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"coopstudy worker: error: {message}\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,7 +398,10 @@ def main(args: argparse.Namespace) -> int:
         train(cfg, args.arm, args.run_id, updates=args.updates, save=not args.no_checkpoint, probing=probing)
     except BaseException as raised:
         err = _known_cause(raised) or raised
-        _record_error(args.run_id, rank, err)
+        lost = distributed.peer_lost(err)
+        # gloo's own words nest the hook's error three times over: said plainly, on the run too.
+        said = f"a collective failed, another rank having gone ({lost})" if lost else None
+        _record_error(args.run_id, rank, err, said)
         _report(probing, err)
         if isinstance(err, (UserError, Stopped)):
             # Known causes need no traceback: one line, and the record.
@@ -404,6 +418,10 @@ def main(args: argparse.Namespace) -> int:
         if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
             # What a probe is for: one line here, the traceback on the run.
             print(f"{who}: {err}", file=sys.stderr)
+            return 1
+        if said is not None:
+            # Another rank's failure, which the stage names: one line here, the traceback on the run.
+            print(f"{who}: {said}; the traceback is on the run", file=sys.stderr)
             return 1
         raise
     if probing is not None:
@@ -433,3 +451,32 @@ def _report(probing: capacity.RankProbe | None, err: BaseException) -> None:
     except Exception:  # noqa: BLE001
         pass
 
+
+def entry(argv: list[str] | None = None) -> NoReturn:
+    """`python -m coopstudy.run.worker ARGS`: one training process, from its
+    arguments to its exit code, as coopstudy.cli.entry runs a command."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    parser = _Parser(prog="coopstudy worker", description=HELP, allow_abbrev=False)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        code = main(args)
+    except UserError as err:  # before training: its run id or rank
+        print(f"coopstudy worker: error: {err}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("coopstudy worker: interrupted", file=sys.stderr)
+        code = 128 + signal.SIGINT
+    except OSError as err:
+        said = errors.os_error_said(err)
+        if said is None:
+            raise
+        print(f"coopstudy worker: error: {said}", file=sys.stderr)
+        code = 2
+    # As coopstudy.cli.entry: exit without Python's search of torch's objects for cycles (about 1 s).
+    gc.freeze()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()

@@ -21,7 +21,7 @@ from coopstudy.run import launch, lock
 HELP = "probe candidate settings (arm x microbatch x allocator) for a few updates each, keeping every receipt"
 DESCRIPTION = f"""\
 Runs each candidate of probe.candidates (arm, microbatch, allocator) for
-probe.updates updates of the real training loop (`python -m coopstudy worker
+probe.updates updates of the real training loop (`python -m coopstudy.run.worker
 --probe`, no checkpoint), each in its own process or ranks, one after the
 other, so a failure does not end the sweep. On CPU each process is held to
 probe.device_capacity_mb: its peak resident memory is compared with it during
@@ -223,7 +223,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         launch.check_ssh_hostfile(args.hostfile, cfg.arms.compressed.workers)
     console = ui.console(140)
     devices = launch.devices_of(cfg, arms, args.hostfile)
-    with writer.stage_run(schema.STAGE_PROBE, cfg, run_name=f"probe-{cfg.preset}") as parent:
+    with writer.stage_run(schema.STAGE_PROBE, cfg) as parent:
         # Probes are training jobs: none shares a device with another.
         with lock.device_lock(devices, f"coopstudy probe --preset {cfg.preset_argument}"):
             # The gate of this config's plan, if it has one, as training will record it.

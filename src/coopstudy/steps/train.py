@@ -20,7 +20,7 @@ from coopstudy.run import launch, lock
 HELP = "train the control and/or the compressed arm (the same loop), timed from launch to exit"
 DESCRIPTION = f"""\
 Trains the seed model on the committed schedule. The control is one plain
-process (`python -m coopstudy worker`); the compressed arm is that command
+process (`python -m coopstudy.run.worker`); the compressed arm is that command
 started by the DeepSpeed launcher as two ranks (DDP with the PowerSGD hook),
 on one host (its per-node launcher) or on two hosts (--hostfile: both hosts
 need this checkout and environment at the same absolute paths, the same
@@ -100,7 +100,7 @@ def guard(rec: writer.Recorder, cfg: Config, sha: str, arms: tuple[str, ...]) ->
 
 
 def _arm_run(cfg: Config, arm: str, tags: dict[str, str] | None = None):
-    return writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, run_name=f"train-{arm}-{cfg.preset}", tags=tags)
+    return writer.stage_run(schema.STAGE_TRAIN, cfg, arm=arm, tags=tags)
 
 
 @dataclass(frozen=True)
