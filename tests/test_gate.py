@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from fixtures import ROOT
 from mlflow import MlflowClient
 
 from coopstudy import cli as cli_mod
@@ -155,3 +161,39 @@ def test_verify_help_says_what_the_gate_checks():
     assert f"relative error of {gate.TOLERANCE:.0e}" in text
     assert ", ".join(c.name for c in gate.gate_cases()) in text
     assert ", ".join(Path(name).name for name in sources.numerical_sources()) in text and repr(sources.GATE_SUBJECT) in text
+
+
+def _gate_ranks(stage: subprocess.Popen) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.Process(stage.pid).children():
+        try:
+            if "spawn_main" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_stopped_verify_leaves_no_gate_rank_computing(tmp_path):
+    # A SIGTERM reaches the stage alone: its gate ranks computed on, their folder gone.
+    log = tmp_path / "verify.log"
+    with open(log, "w") as out:
+        stage = subprocess.Popen([sys.executable, "-m", "coopstudy", "verify", "--preset", "tiny"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        ranks = _gate_ranks(stage)
+        while len(ranks) < gate.WORLD_SIZE and time.monotonic() < deadline and stage.poll() is None:
+            time.sleep(0.1)
+            ranks = _gate_ranks(stage)
+        assert len(ranks) == gate.WORLD_SIZE, log.read_text()[-3000:]
+        time.sleep(2)  # inside the gate's wait for them
+        stage.send_signal(signal.SIGTERM)
+        stage.wait(timeout=60)
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, alive
+    assert stage.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert log.read_text().strip().splitlines()[-1] == "coopstudy verify: stopped by SIGTERM"

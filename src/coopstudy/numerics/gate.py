@@ -352,21 +352,28 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
             join=False,
             start_method="spawn",
         )
-        # The reference runs here while the ranks start and compute.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
         try:
-            reference = {case.name: _reference_side(case, cfg) for case in cases}
+            # The reference runs here while the ranks start and compute.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                reference = {case.name: _reference_side(case, cfg) for case in cases}
+            finally:
+                torch.set_num_threads(threads)
+            try:
+                while not ranks.join():
+                    pass
+            except mp.ProcessRaisedException as err:
+                last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
+                raise GateFailed(f"a gate rank failed: {last}") from None
+            except mp.ProcessExitedException as err:
+                raise GateFailed(f"a gate rank died: {err}") from None
         finally:
-            torch.set_num_threads(threads)
-        try:
-            while not ranks.join():
-                pass
-        except mp.ProcessRaisedException as err:
-            last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
-            raise GateFailed(f"a gate rank failed: {last}") from None
-        except mp.ProcessExitedException as err:
-            raise GateFailed(f"a gate rank died: {err}") from None
+            # Stopped here (SIGTERM reaches this process alone), the ranks would compute on.
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
         batched = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
 
     _refuse_a_diverged_reference(cases, reference, cfg)
