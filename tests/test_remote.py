@@ -32,7 +32,7 @@ from mlflow.entities import ViewType
 from coopstudy import config, workspace
 from coopstudy.commit import ledger
 from coopstudy.errors import UserError
-from coopstudy.record import schema, store, writer
+from coopstudy.record import outbox, schema, store, writer
 
 pytestmark = pytest.mark.slow
 
@@ -184,6 +184,17 @@ def test_http_settings_mlflow_would_refuse_are_one_line_before_any_request(tmp_p
     takes = "at least 1" if name == "MLFLOW_HTTP_REQUEST_TIMEOUT" else "from 0 to 10"
     said = f"coopstudy {step}: error: {name}={value!r}: MLflow takes a whole number {takes}; unset it for the study's {store.HTTP_DEFAULTS[name]}"
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "inf"])
+def test_an_outbox_grace_that_is_no_number_of_seconds_is_one_line_before_the_work(server, tmp_path, value):
+    # Before, it was read at the run's end: a traceback after the step's work.
+    remote_file = tmp_path / "mlruns_remote.txt"
+    remote_file.write_text(server.uri + "\n")
+    done = _coopstudy("prepare", "--preset", "tiny", env=_remote_env(remote_file, tmp_path / "home", **{outbox.ENV_GRACE: value}))
+    said = f"coopstudy prepare: error: {outbox.ENV_GRACE}={value!r}: not a number of seconds (0 or more); unset it for the default 30 s"
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
+    assert not (tmp_path / "home" / "prepared").exists()
 
 
 def test_credentials_in_the_remote_file_are_refused(server, tmp_path):

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import sys
@@ -338,6 +339,22 @@ def describe(records: list[dict[str, Any]]) -> str:
     return ", ".join(parts) or "nothing"
 
 
+def grace_s() -> float:
+    """The grace of a run's end: ENV_GRACE, else DEFAULT_GRACE_S. Read when a
+    run's outbox is opened, so that a value that is no number of seconds is
+    refused before the run's work, not after it."""
+    given = os.environ.get(ENV_GRACE)
+    if given is None:
+        return DEFAULT_GRACE_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise UserError(f"{ENV_GRACE}={given!r}: not a number of seconds (0 or more); unset it for the default {DEFAULT_GRACE_S:g} s")
+    return seconds
+
+
 class Outbox:
     """One run's records that await the server, in order, in one JSONL file."""
 
@@ -356,6 +373,7 @@ class Outbox:
         self._retry_at = 0.0
         self._interval = RETRY_FIRST_S
         self._exit_hook = False
+        self._grace_s = grace_s()
 
     def send(self, record: dict[str, Any]) -> None:
         """Write the record now, or keep it behind the ones already waiting."""
@@ -522,7 +540,7 @@ class Outbox:
 
     def settle(self, grace_s: float | None = None) -> bool:
         """At the run's end: deliver, retrying for up to `grace_s`; True when nothing waits."""
-        grace_s = float(os.environ.get(ENV_GRACE, DEFAULT_GRACE_S)) if grace_s is None else grace_s
+        grace_s = self._grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
         while not self.deliver():
             if time.monotonic() >= deadline:
