@@ -404,6 +404,22 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in (workspace.project_root() / PRESET_DIR).glob("*.yaml"))
 
 
+class _OnceEach(yaml.SafeLoader):
+    """YAML that refuses a mapping naming a key twice, where YAML keeps the
+    last value silently: a pre-registered config says each value once."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` takes another mapping's keys, meant to be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not all(part.strip() for part in key.split(".")):
@@ -411,7 +427,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     # YAML parsing gives numbers, booleans, null and [lists] the same spelling
     # as in a preset file.
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_OnceEach) if raw.strip() else ""
+    except yaml.constructor.ConstructorError as err:
+        raise ConfigError(f"override {item!r}: {err.problem}") from None
     except yaml.YAMLError as err:
         if raw.lstrip()[:1] in ("[", "{"):
             # A list or mapping left open: taken as text, it was said as "should be a valid tuple".
@@ -491,7 +509,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if path.suffix in (".yaml", ".yml") and path.is_dir():
         raise ConfigError(f"preset {path}: a folder, not a file")
     if path.suffix in (".yaml", ".yml") and not path.is_file():
-        raise ConfigError(f"preset {path}: no such file")
+        raise ConfigError(f"preset {path}: {'not a regular file (a pipe, socket or device)' if path.exists() else 'no such file'}")
     if path.suffix not in (".yaml", ".yml") and "/" in preset:
         raise ConfigError(f"preset {preset}: a preset is a name from configs/ or a path to a .yaml file")
     if path.suffix not in (".yaml", ".yml"):
@@ -505,7 +523,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
             )
         raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_OnceEach) or {}
     except yaml.YAMLError as err:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}{f': {problem}' if problem else ''}" if mark is not None else ""
