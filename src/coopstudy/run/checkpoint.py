@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -26,10 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from coopstudy import workspace
 from coopstudy.errors import UserError
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors says a failed write (`I/O error: No space left on device
+(os error 28)`): its own error, not an OSError."""
 
 
 class CheckpointMismatch(Exception):
@@ -73,16 +80,28 @@ def save(model: nn.Module, tokenizer: Any, folder: str | Path) -> Saved:
         verify(tmp, model.state_dict(), digest)
         os.replace(tmp, folder)
         _fsync(folder.parent)
-    except OSError as err:
+    except (OSError, SafetensorError) as err:
         _discard(tmp, folder)
-        what = errno.errorcode.get(err.errno or 0, type(err).__name__)
-        raise CheckpointWriteFailed(
-            f"cannot write the checkpoint {folder}: {err.strerror or err} ({what}); nothing of it was kept"
-        ) from err
+        said = _write_error(err)
+        if said is None:  # safetensors' own, not the disk's: a defect, with its traceback
+            raise
+        raise CheckpointWriteFailed(f"cannot write the checkpoint {folder}: {said}; nothing of it was kept") from err
     except BaseException:
         _discard(tmp, folder)
         raise
     return Saved(folder=folder, sha256=digest, seconds=time.perf_counter() - start)
+
+
+def _write_error(err: OSError | SafetensorError) -> str | None:
+    """`No space left on device (ENOSPC)`: a failed write, as an OSError says
+    it or as safetensors does; None for a safetensors error of another kind."""
+    if isinstance(err, OSError):
+        return f"{err.strerror or err} ({errno.errorcode.get(err.errno or 0, type(err).__name__)})"
+    found = _OS_ERROR.search(str(err))
+    if found is None:
+        return None
+    number = int(found[1])
+    return f"{os.strerror(number)} ({errno.errorcode.get(number, found[0])})"
 
 
 def withdraw(saved: Saved) -> None:
