@@ -419,9 +419,13 @@ def write_prepared(built: Built) -> tuple[Path, str]:
             status = "rewritten"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
-        for name, blob in built.files.items():
-            (tmp / name).write_bytes(blob)
-        (tmp / schema.ART_MANIFEST).write_bytes(built.manifest_bytes)
+        for name, blob in [*built.files.items(), (schema.ART_MANIFEST, built.manifest_bytes)]:
+            try:
+                (tmp / name).write_bytes(blob)
+            except OSError as err:
+                # A write's error names no file (an open's does): named as the folder will name it.
+                err.filename = err.filename or str(folder / name)
+                raise
         tmp.chmod(0o755)
         if folder.exists():
             shutil.rmtree(folder)
