@@ -21,7 +21,6 @@ from analysis import screens as sc
 from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
 from analysis.screens import evaluate_role
 from coopstudy import config as config_mod
-from coopstudy.commit import budget
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import ConfigError
 from coopstudy.record import schema, store
@@ -140,7 +139,7 @@ def _budget(records: Records) -> dict[str, Any] | None:
     planned = records.budget
     if planned is None:
         return None
-    (train, train_runs), (evaluate, evaluate_runs) = (records.spent[stage] for stage in budget.SPENDING_STAGES)
+    (train, train_runs), (evaluate, evaluate_runs) = records.spent[schema.STAGE_TRAIN], records.spent[schema.STAGE_EVALUATE]
     return {
         "allocation_usd": planned["allocation_usd"],
         "deadline": planned["deadline"],
@@ -150,7 +149,7 @@ def _budget(records: Records) -> dict[str, Any] | None:
         "train_runs": train_runs,
         "evaluate_cost_usd": evaluate,
         "evaluate_runs": evaluate_runs,
-        "spent_usd": planned["probes_cost_usd"] + train + evaluate,
+        "spent_usd": planned["probes_cost_usd"] + sum(cost for cost, _ in records.spent.values()),
         "projected_cost_usd": planned["projected_cost_usd"],
     }
 
