@@ -445,17 +445,21 @@ def test_another_configs_gate_and_a_plan_committed_again(first, copy):
 
 def test_touching_a_numerical_source_reruns_verify_and_after(first, copy):
     source = copy.root / "src" / "coopstudy" / "numerics" / "objective.py"
-    source.write_text(source.read_text() + "\n# touched\n")
-    touched = copy.coopstudy("study", "--preset", "tiny", "--through", "verify")
-    assert touched.returncode == 0, touched.stderr[-3000:]
-    assert _steps(touched.stdout, "reused") == ["prepare"]
-    assert _steps(touched.stdout, "running") == ["verify"]
-    # Every later step reruns too: probe and plan by their keys, which chain from verify's,
-    # the rest by the plan in force (test_upstream_change_changes_every_later_key_up_to_the_plans_steps);
-    # training refuses meanwhile.
-    refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
-    assert refused.returncode == 2
-    assert "objective.py" in refused.stderr
+    original = source.read_text()
+    source.write_text(original + "\n# touched\n")
+    try:
+        touched = copy.coopstudy("study", "--preset", "tiny", "--through", "verify")
+        assert touched.returncode == 0, touched.stderr[-3000:]
+        assert _steps(touched.stdout, "reused") == ["prepare"]
+        assert _steps(touched.stdout, "running") == ["verify"]
+        # Every later step reruns too: probe and plan by their keys, which chain from verify's,
+        # the rest by the plan in force (test_upstream_change_changes_every_later_key_up_to_the_plans_steps);
+        # training refuses meanwhile, in one line naming the file.
+        refused = copy.coopstudy("train", "--preset", "tiny", "--arm", "control")
+    finally:
+        source.write_text(original)
+    (line,) = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and line.startswith("coopstudy train: error: ") and "src/coopstudy/numerics/objective.py" in line, line
 
 
 def test_steps_started_one_by_one_are_reused_by_a_study(probed_tiny):

@@ -70,7 +70,7 @@ def _notes(doc: dict) -> list[str]:
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     console = ui.console(140)
-    with writer.stage_run(schema.STAGE_PLAN, cfg, run_name=f"plan-{cfg.preset}") as rec:
+    with writer.stage_run(schema.STAGE_PLAN, cfg) as rec:
         # The gate the config's plan binds, while it holds: a gate passed since for another config changes nothing here.
         done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt(cfg, bound=require.planned_gate(cfg)))
         doc = done.document
