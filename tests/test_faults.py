@@ -728,6 +728,20 @@ def test_disk_full_while_writing_prepared_inputs_is_one_line_exit_2(tiny_seed, m
     assert err.count("error:") == 1 and "Traceback" not in err
 
 
+def test_a_tracking_store_another_process_keeps_locked_is_one_line_exit_2(_migrated_db, tmp_path):
+    # It was SQLAlchemy's 100-line traceback, exit 1.
+    store = Store(tmp_path / "home", tmp_path / "mlflow.db")
+    shutil.copy(_migrated_db, store.db)
+    held = sqlite3.connect(store.db, isolation_level=None)
+    held.execute("BEGIN EXCLUSIVE")  # as a shell's open transaction holds it
+    try:
+        done = run_cli("plan", "--preset", "tiny", env=store.env())
+    finally:
+        held.close()
+    said = f"coopstudy plan: error: the tracking store {store.tracking_uri} is locked by another process (database is locked); run it again once that process is done"
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
+
+
 def test_a_tracking_store_on_a_full_disk_is_one_line_exit_2(tiny_seed_home, _migrated_db, small_disk, tmp_path):
     store = Store(tmp_path / "home", small_disk / "mlflow.db")
     shutil.copytree(tiny_seed_home, store.home)

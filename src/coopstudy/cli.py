@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.
         from coopstudy.record import store, writer
 
+        if store.on_locked(err):
+            print(f"coopstudy {args.step}: error: {store.locked_said()}; run it again once that process is done", file=sys.stderr)
+            return 2
         if not store.on_full_disk(err):
             raise
         kept = writer.ends_kept()

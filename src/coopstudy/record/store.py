@@ -247,6 +247,20 @@ def on_full_disk(err: BaseException) -> bool:
     return any(isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen) for seen in errors.chain(err))
 
 
+def on_locked(err: BaseException) -> bool:
+    """True when `err` comes from a SQLite store that another process kept
+    locked past SQLite's wait (a long write: another step's, a shell's open
+    transaction, `mlflow gc`)."""
+    import sqlite3
+
+    return any(isinstance(seen, sqlite3.OperationalError) and "database is locked" in str(seen) for seen in errors.chain(err))
+
+
+def locked_said() -> str:
+    """A tracking store kept locked (on_locked), in the words every process that meets it says."""
+    return f"the tracking store {tracking_uri()} is locked by another process (database is locked)"
+
+
 def full_disk_said(uri: str | None = None) -> str:
     """A tracking store (this process's, or `uri`) whose disk is full, in the
     words every process that meets it says (cli.main, a training rank, remote deliver)."""

@@ -415,6 +415,10 @@ def main(args: argparse.Namespace) -> int:
             # Its error could not be recorded either; the stage says the same when it ends the run.
             print(f"{who}: {store.full_disk_said()}", file=sys.stderr)
             return 2
+        if store.on_locked(err):
+            # Past SQLite's wait; the stage, which writes the run's end, meets the same lock or finds it gone.
+            print(f"{who}: {store.locked_said()}", file=sys.stderr)
+            return 2
         if probing is not None and capacity.outcome_of(err) == schema.OUTCOME_OUT_OF_MEMORY:
             # What a probe is for: one line here, the traceback on the run.
             print(f"{who}: {err}", file=sys.stderr)
