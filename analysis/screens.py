@@ -104,7 +104,8 @@ class Screen:
 
     @property
     def verdict_reads(self) -> str:
-        """The verdict as the report prints it: a PASS without power says so."""
+        """The verdict in one phrase for report.json's readers (a PASS without
+        power says so there; the report's tables print power in its own column)."""
         if self.unpowered_pass:
             return f"PASS (no power: {self.power_note})"
         return self.verdict.upper()

@@ -272,8 +272,7 @@ def paired_t_upper_bound(diffs: Sequence[float], level: float = 0.99) -> UpperBo
     if n < 2:
         raise ValueError(f"paired t bound needs at least 2 documents, got {n}")
     mean = float(d.mean())
-    se = float(d.std(ddof=1)) / math.sqrt(n)
-    return UpperBound(mean, mean + float(stats.t.ppf(level, n - 1)) * se)
+    return UpperBound(mean, mean + t_margin(float(d.std(ddof=1)), n, level))
 
 
 def ratio_difference_clustered(

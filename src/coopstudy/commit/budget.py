@@ -62,7 +62,7 @@ def stage_spent(experiment: str, sha: str, stage: str) -> tuple[float, int]:
     return sum(spent), len(spent)
 
 
-def check_spent(cfg: Config, sha: str, doc: dict[str, Any], stage: str, now: datetime | None = None) -> None:
+def check_spent(cfg: Config, sha: str, doc: dict[str, Any], stage: str) -> None:
     """Refuse `stage`, work the plan projected no cost for (evaluate), once a
     bound is reached: its allocation spent (probes, train and evaluate runs)
     or its deadline passed, where any work passes it."""
@@ -73,7 +73,7 @@ def check_spent(cfg: Config, sha: str, doc: dict[str, Any], stage: str, now: dat
         raise RefusedError(
             f"budget: plan {sha[:12]} has spent ${spent:.2f} of budget.allocation_usd ${allocation:.2f}, so {stage} would pass it; {again}"
         )
-    if when is not None and (now or datetime.now(timezone.utc)) >= when:
+    if when is not None and datetime.now(timezone.utc) >= when:
         raise RefusedError(f"deadline: budget.deadline {when.isoformat()} of plan {sha[:12]} has passed, so {stage} would work after it; {again}")
 
 

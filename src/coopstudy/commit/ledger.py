@@ -382,7 +382,7 @@ def _waiting_in_outbox(digest: str, run_id: str | None = None) -> str | None:
     folder = outbox.outbox_dir()
     if not folder.is_dir():
         return None
-    for path in sorted(folder.glob(f"{run_id or '*'}.jsonl")):
+    for path in sorted(folder.glob(outbox.outbox_file(run_id or "*").name)):
         with contextlib.suppress(OSError):
             if digest in path.read_text():
                 return str(path)

@@ -252,6 +252,11 @@ def _reference_side(case: Case, cfg: Config) -> list[dict[str, Any]]:
     return snapshots
 
 
+def _rank_file(folder: str | Path, rank: int) -> Path:
+    """Where a gate rank leaves its updates for the comparison."""
+    return Path(folder) / f"rank{rank}.pt"
+
+
 def _rank_main(
     rank: int, cfg: Config, cases: list[Case], port: int, out_dir: str, rank_setup: Callable[[], None] | None
 ) -> None:
@@ -261,7 +266,7 @@ def _rank_main(
         rank_setup()
     with distributed.session(cfg) as ctx:
         results = {case.name: _batched_side(case, cfg, ctx) for case in cases}
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    torch.save(results, _rank_file(out_dir, rank))
 
 
 # --- comparison --------------------------------------------------------------
@@ -374,7 +379,7 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
                 if process.is_alive():
                     process.terminate()
                     process.join()
-        batched = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+        batched = [torch.load(_rank_file(tmp, r)) for r in range(WORLD_SIZE)]
 
     _refuse_a_diverged_reference(cases, reference, cfg)
     rows = [

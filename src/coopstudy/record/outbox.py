@@ -187,6 +187,11 @@ def outbox_dir() -> Path:
     return workspace.home() / "outbox"
 
 
+def outbox_file(run_id: str = "*") -> Path:
+    """Where run `run_id`'s records wait (with "*", the pattern of every run's)."""
+    return outbox_dir() / f"{run_id}.jsonl"
+
+
 def apply(client: Any, run_id: str, record: Mapping[str, Any]) -> None:
     """Write one record to the run."""
     from mlflow.entities import Metric, Param, RunTag
@@ -363,7 +368,7 @@ class Outbox:
 
     def __init__(self, run_id: str, uri: str, client: Any):
         self.run_id, self.uri, self.client = run_id, uri, client
-        self.path = outbox_dir() / f"{run_id}.jsonl"
+        self.path = outbox_file(run_id)
         # Kept aside: records the server refused, and lines that are no record.
         self.rejected = self.path.with_suffix(".rejected")
         self.refused = 0
@@ -538,10 +543,9 @@ class Outbox:
         print(f"coopstudy: the server refused a waiting record of run {self.run_id} ({describe([record])}): "
               f"{(str(err).splitlines() or [''])[0][:300]}; kept in {self.rejected}", file=sys.stderr, flush=True)
 
-    def settle(self, grace_s: float | None = None) -> bool:
-        """At the run's end: deliver, retrying for up to `grace_s`; True when nothing waits."""
-        grace_s = self._grace_s if grace_s is None else grace_s
-        deadline = time.monotonic() + grace_s
+    def settle(self) -> bool:
+        """At the run's end: deliver, retrying for up to the grace (grace_s); True when nothing waits."""
+        deadline = time.monotonic() + self._grace_s
         while not self.deliver():
             if time.monotonic() >= deadline:
                 return False
@@ -598,7 +602,7 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[s
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
     written for, or to `uri`; run id -> (why records still wait, None when none does;
     how many records the server refused)."""
-    paths = [outbox_dir() / f"{r}.jsonl" for r in run_ids] if run_ids else sorted(outbox_dir().glob("*.jsonl"))
+    paths = [outbox_file(r) for r in run_ids] if run_ids else sorted(outbox_dir().glob(outbox_file().name))
     done: dict[str, tuple[str | None, int]] = {}
     for path in paths:
         if not path.is_file():

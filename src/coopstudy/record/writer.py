@@ -21,6 +21,11 @@ from coopstudy import workspace
 from coopstudy.errors import INTERRUPTED, UserError
 from coopstudy.record import outbox, schema, store
 
+RUN_NAME_TAG = "mlflow.runName"
+"""MLflow's tag of a run's name, set where the run was opened by another (`mlflow run`)."""
+NOTE_TAG = "mlflow.note.content"
+"""The run tag MLflow's UI shows as the run's description (markdown)."""
+
 NOT_PARAMS = ("preset",)
 """Config keys not logged as params. The preset is the tag schema.TAG_PRESET;
 `mlflow run -P preset=<file>` logs its entry point's own param `preset` as
@@ -227,7 +232,7 @@ def stage_run(
         all_tags = _base_tags(stage, cfg, arm) | pending.get(claim, {}) | {k: str(v) for k, v in (tags or {}).items()}
         _pending_tags.set({a: t for a, t in pending.items() if a != claim})
         if adopt:
-            all_tags["mlflow.runName"] = name
+            all_tags[RUN_NAME_TAG] = name
         rec.set_tags(all_tags)
         if cfg is not None and log_config:
             rec.log_params({k: v for k, v in config_mod.flatten(cfg).items() if k not in NOT_PARAMS})
@@ -320,7 +325,7 @@ def _label(client: Any, run_id: str, name: str, note: str, tags: Mapping[str, st
     """Name and annotate `mlflow run`'s run, which the study did not take as its record."""
     from mlflow.entities import RunTag
 
-    tags = {**tags, "mlflow.runName": name, "mlflow.note.content": note}
+    tags = {**tags, RUN_NAME_TAG: name, NOTE_TAG: note}
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 

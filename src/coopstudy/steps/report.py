@@ -102,10 +102,6 @@ def _print(report: dict[str, Any], folder: Path) -> None:
     console.print(f"report written to {folder}", soft_wrap=True)
 
 
-NOTE_TAG = "mlflow.note.content"
-"""The run tag MLflow's UI shows as the run's description (markdown)."""
-
-
 def _note(markdown: str) -> str:
     """The report as its run's description: whole where MLflow keeps it, else cut
     before the first section that does not fit, naming the sections left out
@@ -196,7 +192,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             image.write_bytes(base64.b64decode(png))
         rec.log_artifact(folder / schema.ART_FIGURES, schema.ART_FIGURES)
         # What the run page shows first: the report itself.
-        rec.set_tags({NOTE_TAG: _note(markdown)})
+        rec.set_tags({writer.NOTE_TAG: _note(markdown)})
         rec.log_metrics(_key_metrics(screens))
         rec.set_tags(
             {schema.TAG_VERDICT_PREFIX + group: verdict for group, verdict in report["verdicts"].items()}
