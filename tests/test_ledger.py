@@ -181,6 +181,8 @@ def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_reco
     assert "\n" not in line
     assert f"line 1 (inputs key, {'f' * 12}) disagrees with the record: no run of the record committed {'f' * 12}" in line
     assert f"commit again: `python -m coopstudy prepare --preset {again}`" in line
+    # A prepare killed between its append and its run's tag leaves the same: said as one cause too.
+    assert "or the step that appended it was stopped before its run recorded it: restore it from a copy" in line
 
 
 def test_only_the_commitments_in_force_are_compared():

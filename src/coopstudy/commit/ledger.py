@@ -222,9 +222,10 @@ def _name(entry: Entry) -> str:
     return f"{entry.kind} {subject}, {entry.digest[:12]}"
 
 
-def _recommit(entry: Entry) -> str:
-    """What to do about an entry the record contradicts."""
-    restore = "the ledger was rewritten or comes from another record: restore it from a copy"
+def _recommit(entry: Entry, *, unmirrored: bool = False) -> str:
+    """What to do about an entry the record contradicts (`unmirrored`: no run carries it)."""
+    stopped = ", or the step that appended it was stopped before its run recorded it" if unmirrored and entry.kind != CANDIDATE else ""
+    restore = f"the ledger was rewritten or comes from another record{stopped}: restore it from a copy"
     if entry.kind == CANDIDATE:
         return f"{restore} (a selection is made once)"
     from coopstudy.config import preset_argument
@@ -288,7 +289,8 @@ class _Record:
             waiting = _waiting_in_outbox(entry.digest)
             if waiting:
                 return _still_waits("its run's", schema.TAG_COMMITMENT_PREFIX + entry.kind, waiting)
-            return f"no run of the record committed {entry.digest[:12]}{held}; {_recommit(entry)}"
+            # Or the step appended it and was killed before its run took the tag: the ledger comes first.
+            return f"no run of the record committed {entry.digest[:12]}{held}; {_recommit(entry, unmirrored=True)}"
         if entry.kind == GATE:
             return self._gate_receipt(entry)
         return None
