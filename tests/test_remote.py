@@ -191,10 +191,15 @@ def test_an_outbox_grace_that_is_no_number_of_seconds_is_one_line_before_the_wor
     # Before, it was read at the run's end: a traceback after the step's work.
     remote_file = tmp_path / "mlruns_remote.txt"
     remote_file.write_text(server.uri + "\n")
-    done = _coopstudy("prepare", "--preset", "tiny", env=_remote_env(remote_file, tmp_path / "home", **{outbox.ENV_GRACE: value}))
+    experiment = f"grace {value}"
+    env = _remote_env(remote_file, tmp_path / "home", **{outbox.ENV_GRACE: value, "MLFLOW_EXPERIMENT_NAME": experiment})
+    done = _coopstudy("prepare", "--preset", "tiny", env=env)
     said = f"coopstudy prepare: error: {outbox.ENV_GRACE}={value!r}: not a number of seconds (0 or more); unset it for the default 30 s"
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
     assert not (tmp_path / "home" / "prepared").exists()
+    # Refused before its run opened: no run left behind (MLflow's exit ended one FINISHED).
+    made = mlflow.MlflowClient(server.uri).get_experiment_by_name(experiment)
+    assert made is None or not mlflow.MlflowClient(server.uri).search_runs([made.experiment_id]), made
 
 
 def test_credentials_in_the_remote_file_are_refused(server, tmp_path):

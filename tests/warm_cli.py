@@ -123,8 +123,9 @@ class Server:
 
 def _serve() -> dict | None:
     """Import, then fork a child per request; return the request in the child."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as coopstudy.cli.entry sets them
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from coopstudy import machine
+
+    machine.set_library_defaults()  # as coopstudy.cli.entry does
     sys.path[0] = str(ROOT)  # as for `python -m` started there
     with tempfile.TemporaryFile() as said:
         saved = os.dup(1), os.dup(2)

@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from coopstudy import config as config_mod
-from coopstudy import errors
+from coopstudy import errors, machine
 from coopstudy import steps as steps_pkg
 from coopstudy import workspace
 from coopstudy.errors import UserError
@@ -428,12 +428,7 @@ def _make_analysis_importable() -> None:
 
 
 def entry(argv: list[str] | None = None) -> None:
-    # One device is `threads_per_device` cores; stages set torch's thread count
-    # from the config, and this keeps library pools from oversubscribing first.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # MLflow 3 fetches a telemetry config and posts usage from a thread of every
-    # process; a study sends nothing anywhere but its own record unless asked to.
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    machine.set_library_defaults()
     _make_analysis_importable()
     code = main(argv)
     # Python's exit would search every object torch and transformers made for

@@ -414,9 +414,10 @@ class _OnceEach(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` takes another mapping's keys, meant to be overridden
                 continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark, f"{key!r} is given twice", key_node.start_mark)
-            seen.add(key)
+            if isinstance(key, (str, int, float, bool, type(None))):  # an unhashable key is YAML's to refuse
+                if (type(key), key) in seen:  # 1 and true are two keys
+                    raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark, f"{key!r} is given twice", key_node.start_mark)
+                seen.add((type(key), key))
         return super().construct_mapping(node, deep)
 
 

@@ -20,6 +20,19 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 emulated: about 1 GFLOP/s against 60-100 in fp32 on the AVX2 EPYCs measured."""
 
 
+LIBRARY_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+"""Set, where the user did not, by every process's entry (coopstudy.cli's,
+a training rank's: a rank on a second host gets only some variables): one
+device is `threads_per_device` cores, and tokenizers' pool would take more;
+MLflow 3 fetches a telemetry config and posts usage from a thread of every
+process, and a study sends nothing anywhere but its own record unless asked to."""
+
+
+def set_library_defaults() -> None:
+    for name, value in LIBRARY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def cuda_available() -> bool:
     # Without a GPU driver's device node there is no CUDA (or ROCm) device to
     # find; asking torch would cost every command that takes the lock seconds.

@@ -20,6 +20,7 @@ re-hashes every file before handing the data out.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -412,11 +413,9 @@ def write_prepared(built: Built) -> tuple[Path, str]:
     folder = folder_for(digest)
     status = "written"
     if folder.exists():
-        try:
-            verify_folder(folder, digest)
+        if _intact(folder, digest):
             return folder, "reused"
-        except RefusedError:
-            status = "rewritten"
+        status = "rewritten"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
         for name, blob in [*built.files.items(), (schema.ART_MANIFEST, built.manifest_bytes)]:
@@ -427,12 +426,27 @@ def write_prepared(built: Built) -> tuple[Path, str]:
                 err.filename = err.filename or str(folder / name)
                 raise
         tmp.chmod(0o755)
-        if folder.exists():
+        if folder.exists() and not _intact(folder, digest):
             shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        try:
+            os.replace(tmp, folder)  # onto nothing, or an empty folder
+        except OSError as err:
+            # Another prepare put the same content there meanwhile (two at
+            # once): its folder stays, never removed from under it.
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not _intact(folder, digest):
+                raise
+            return folder, "reused"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder, status
+
+
+def _intact(folder: Path, digest: str) -> bool:
+    try:
+        verify_folder(folder, digest)
+    except RefusedError:
+        return False
+    return True
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:

@@ -55,7 +55,6 @@ test holds it to that too.
 import contextlib
 import math
 import os
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -117,24 +116,6 @@ def _env_int(name: str) -> int:
         return int(raw)
     except ValueError:
         raise UserError(f"{name}={raw!r} is not an integer") from None
-
-
-_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Timed out waiting \d+ms for \w+ operation")
-"""What gloo says in a collective when another rank has gone (killed, failed,
-or out of reach) or stopped answering within distributed.collective_timeout_s."""
-
-
-def peer_lost(err: BaseException) -> str | None:
-    """Why a collective failed, where another rank went away (`Connection
-    reset by peer`); None for any other error. torch re-raises the comm hook's
-    error as a RuntimeError holding only its text, so the text is what is read."""
-    seen: BaseException | None = err
-    while seen is not None:
-        found = _PEER_LOST.search(str(seen))
-        if found:
-            return found[0]
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def env_rank() -> int:

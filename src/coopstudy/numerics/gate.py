@@ -344,20 +344,23 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
     `rank_setup`, when given, runs first in each rank process (a picklable
     function): tests use it to break the objective on purpose.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     start = time.perf_counter()
     cfg = gate_config(cfg)
     cases = gate_cases(cfg.train.grad_clip)
     with tempfile.TemporaryDirectory(prefix="coopstudy-gate-") as tmp:
-        ranks = mp.start_processes(
-            _rank_main,
-            args=(cfg, cases, workspace.free_port(), tmp, rank_setup),
-            nprocs=WORLD_SIZE,
-            join=False,
-            start_method="spawn",
-        )
+        before = set(multiprocessing.active_children())
         try:
+            ranks = mp.start_processes(
+                _rank_main,
+                args=(cfg, cases, workspace.free_port(), tmp, rank_setup),
+                nprocs=WORLD_SIZE,
+                join=False,
+                start_method="spawn",
+            )
             # The reference runs here while the ranks start and compute.
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -374,11 +377,9 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
             except mp.ProcessExitedException as err:
                 raise GateFailed(f"a gate rank died: {err}") from None
         finally:
-            # Stopped here (SIGTERM reaches this process alone), the ranks would compute on.
-            for process in ranks.processes:
-                if process.is_alive():
-                    process.terminate()
-                    process.join()
+            # Stopped here (a SIGTERM reaches this process alone), even while
+            # they start, the ranks would compute on with their folder gone.
+            _stop([p for p in multiprocessing.active_children() if p not in before])
         batched = [torch.load(_rank_file(tmp, r)) for r in range(WORLD_SIZE)]
 
     _refuse_a_diverged_reference(cases, reference, cfg)
@@ -390,6 +391,16 @@ def run_gate(cfg: Config, *, rank_setup: Callable[[], None] | None = None) -> Ga
     ]
     failures = [msg for row in rows for msg in _failure(row)]
     return GateResult(rows=rows, seconds=time.perf_counter() - start, failures=failures)
+
+
+def _stop(processes: Sequence[Any]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _refuse_a_diverged_reference(cases: Sequence[Any], reference: dict[str, list[dict[str, Any]]], cfg: Config) -> None:

@@ -345,9 +345,9 @@ def describe(records: list[dict[str, Any]]) -> str:
 
 
 def grace_s() -> float:
-    """The grace of a run's end: ENV_GRACE, else DEFAULT_GRACE_S. Read when a
-    run's outbox is opened, so that a value that is no number of seconds is
-    refused before the run's work, not after it."""
+    """The grace of a run's end: ENV_GRACE, else DEFAULT_GRACE_S. A stage
+    reads it before it opens its run (writer.stage_run), so that a value that
+    is no number of seconds is refused before the run and its work, not after."""
     given = os.environ.get(ENV_GRACE)
     if given is None:
         return DEFAULT_GRACE_S
@@ -378,7 +378,6 @@ class Outbox:
         self._retry_at = 0.0
         self._interval = RETRY_FIRST_S
         self._exit_hook = False
-        self._grace_s = grace_s()
 
     def send(self, record: dict[str, Any]) -> None:
         """Write the record now, or keep it behind the ones already waiting."""
@@ -545,7 +544,7 @@ class Outbox:
 
     def settle(self) -> bool:
         """At the run's end: deliver, retrying for up to the grace (grace_s); True when nothing waits."""
-        deadline = time.monotonic() + self._grace_s
+        deadline = time.monotonic() + grace_s()
         while not self.deliver():
             if time.monotonic() >= deadline:
                 return False

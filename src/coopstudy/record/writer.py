@@ -205,9 +205,11 @@ def stage_run(
         # may not write stop the stage here, in seconds, with one line.
         outbox.preflight(uri, exp_name)
     mlflow.set_tracking_uri(uri)
-    # The run's records wait in the home's outbox: a home that cannot be used is
-    # refused before the run opens, rather than leave an empty run behind.
+    # The run's records wait in the home's outbox: a home that cannot be used, or
+    # a grace to wait for them that is no number, is refused before the run
+    # opens, rather than leave an empty run behind.
     workspace.home()
+    outbox.grace_s()
     parent = mlflow.active_run()
     exp_id = parent.info.experiment_id if parent is not None else store.experiment_id(exp_name)
     launched, _launcher = (_launcher if parent is None else None), (None if parent is None else _launcher)

@@ -140,7 +140,7 @@ def worker_environment(cfg: Config, run_id: str, *, allocator: str = TRAINING_AL
     threads = str(cfg.train.threads_per_device)
     # One device is `threads_per_device` cores on CPU: OpenMP and MKL pools
     # are sized before torch can be told, so the environment says it first.
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     set_malloc(env)
     env[writer.ENV_RUN_ID] = run_id
     machine.name_the_accelerator(env)

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 import signal
 import socket
 import sys
@@ -46,12 +47,17 @@ import torch
 
 from coopstudy import errors, machine, ui, workspace
 from coopstudy.commit import require
-from coopstudy.config import ALLOCATORS, ARMS, TRAINING_ALLOCATOR, Config
+from coopstudy.config import ALLOCATORS, ARMS, COMPRESSED, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import Stopped, UserError
 from coopstudy.inputs import data
 from coopstudy.numerics import batching, distributed, flops, objective, update
 from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import capacity, checkpoint, launch
+
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Timed out waiting \d+ms for \w+ operation")
+"""What gloo says in a collective when another rank has gone (killed, failed,
+or out of reach) or stopped answering within distributed.collective_timeout_s.
+(Read here, not in numerics.distributed: its words are no number of the gate's.)"""
 
 RECORD_EVERY_S = 60.0
 """Per-update metrics wait at most this long before they are written inside the training window."""
@@ -318,9 +324,10 @@ def _peak_memory_mb(device: torch.device) -> list[float]:
     return [rss, torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20]
 
 
-def _record_error(run_id: str, rank: int, err: BaseException, said: str | None = None) -> None:
+def _record_error(run_id: str, rank: int, err: BaseException, said: str | None = None) -> bool:
     """Keep this process's error on the run (its tag `said` where given);
-    the stage's own error tag says what it saw from outside (exit codes), this says why."""
+    the stage's own error tag says what it saw from outside (exit codes), this
+    says why. False where it could not be kept."""
     _ending()
     try:
         rec = writer.Recorder(run_id)
@@ -328,7 +335,8 @@ def _record_error(run_id: str, rank: int, err: BaseException, said: str | None =
         rec.set_tags({f"{schema.TAG_WORKER_ERROR_PREFIX}{rank}": tag[: writer.MAX_TAG_CHARS]})
         rec.log_text("".join(traceback.format_exception(err)), f"{schema.ART_WORKER_ERROR_PREFIX}{rank}.txt")
     except Exception:  # noqa: BLE001 - the original error matters more than the record of it
-        pass
+        return False
+    return True
 
 
 def _ending() -> None:
@@ -398,10 +406,10 @@ def main(args: argparse.Namespace) -> int:
         train(cfg, args.arm, args.run_id, updates=args.updates, save=not args.no_checkpoint, probing=probing)
     except BaseException as raised:
         err = _known_cause(raised) or raised
-        lost = distributed.peer_lost(err)
+        lost = _peer_lost(err) if args.arm == COMPRESSED and not outbox.is_outage(err) else None
         # gloo's own words nest the hook's error three times over: said plainly, on the run too.
         said = f"a collective failed, another rank having gone ({lost})" if lost else None
-        _record_error(args.run_id, rank, err, said)
+        recorded = _record_error(args.run_id, rank, err, said)
         _report(probing, err)
         if isinstance(err, (UserError, Stopped)):
             # Known causes need no traceback: one line, and the record.
@@ -425,12 +433,20 @@ def main(args: argparse.Namespace) -> int:
             return 1
         if said is not None:
             # Another rank's failure, which the stage names: one line here, the traceback on the run.
-            print(f"{who}: {said}; the traceback is on the run", file=sys.stderr)
+            print(f"{who}: {said}{'; the traceback is on the run' if recorded else ''}", file=sys.stderr)
             return 1
         raise
     if probing is not None:
         probing.finish(None)
     return 0
+
+
+def _peer_lost(err: BaseException) -> str | None:
+    """Why a collective failed, where another rank went away (`Connection
+    reset by peer`); None for any other error. torch re-raises the comm hook's
+    error as a RuntimeError holding only its text, so the text is what is read."""
+    found = next((m for seen in errors.chain(err) if (m := _PEER_LOST.search(str(seen)))), None)
+    return found[0] if found else None
 
 
 def _known_cause(err: BaseException) -> UserError | Stopped | None:
@@ -459,7 +475,7 @@ def _report(probing: capacity.RankProbe | None, err: BaseException) -> None:
 def entry(argv: list[str] | None = None) -> NoReturn:
     """`python -m coopstudy.run.worker ARGS`: one training process, from its
     arguments to its exit code, as coopstudy.cli.entry runs a command."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    machine.set_library_defaults()
     parser = _Parser(prog="coopstudy worker", description=HELP, allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(argv)

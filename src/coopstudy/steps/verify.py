@@ -13,7 +13,7 @@ from coopstudy.commit import ledger as ledger_mod
 from coopstudy.commit import sources
 from coopstudy.config import Config
 from coopstudy.record import schema, writer
-from coopstudy.run import launch, lock
+from coopstudy.run import lock
 
 
 def _wrapped(names: Iterable[str]) -> str:
@@ -72,10 +72,10 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     # Wide enough for the table when output goes to a file or a pipe (80 columns by default).
     console = ui.console(110)
     book = ledger_mod.Ledger()
-    # Two gloo ranks and the reference compute for minutes: beside a training
-    # job they would spoil its timings, as any job would (run.lock).
-    devices = launch.local_devices(gate.WORLD_SIZE)
-    with lock.device_lock(devices, f"coopstudy verify --preset {cfg.preset_argument}"), writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
+    # Two gloo ranks and the reference compute on the CPU, whatever the devices:
+    # beside a training job they would spoil its timings, as any job would (run.lock).
+    with lock.one_process_job(f"coopstudy verify --preset {cfg.preset_argument}", ["cpu"]) as held, writer.stage_run(schema.STAGE_VERIFY, cfg) as rec:
+        held.note(run_id=rec.run_id)
         # A ledger that cannot take the receipt is refused before the gate's minutes, not after them.
         with book.locked():
             book.entries()
