@@ -406,7 +406,9 @@ def main(args: argparse.Namespace) -> int:
         train(cfg, args.arm, args.run_id, updates=args.updates, save=not args.no_checkpoint, probing=probing)
     except BaseException as raised:
         err = _known_cause(raised) or raised
-        lost = _peer_lost(err) if args.arm == COMPRESSED and not outbox.is_outage(err) else None
+        # A stop's or a user's error is said as itself: a stopped rank's peer is often gone first.
+        known = isinstance(err, (UserError, Stopped)) or outbox.is_outage(err)
+        lost = _peer_lost(err) if args.arm == COMPRESSED and not known else None
         # gloo's own words nest the hook's error three times over: said plainly, on the run too.
         said = f"a collective failed, another rank having gone ({lost})" if lost else None
         recorded = _record_error(args.run_id, rank, err, said)
