@@ -10,9 +10,10 @@ refuses in its arguments before any work, which `--dry-run` refuses too), and
 
 Then the tools: `bench` (benchmarks, which load a preset like a step),
 `dev-split` (families and learning rate measured on a development split),
-`remote` (the tracking server: check it, deliver what waited). (A training
-process is not a command: `train`, `probe` and `bench arms` start
-`python -m coopstudy.run.worker`, whose entry is its own.) A tool module defines `HELP` and `add_arguments(parser)`; one that loads a preset
+`remote` (the tracking server: check it, deliver what waited). A training
+process is no command: `train`, `probe` and `bench arms` start
+`python -m coopstudy.run.worker`, whose entry is its own. A tool module
+defines `HELP` and `add_arguments(parser)`; one that loads a preset
 (bench, dev-split: it calls `add_config_arguments`) is run as a step is, through
 `run(cfg, args)` and an optional `check_arguments(cfg, args)` that `--dry-run`
 calls too; remote through `main(args) -> int`.

@@ -3,8 +3,8 @@
 Every training process runs `python -m coopstudy.run.worker` (`entry`, this
 module's own, from the process's start to its exit, so that the plan binds
 all it runs: commit.sources.WORKER): the control as one plain process, the
-compressed arm as ranks the DeepSpeed launcher starts (coopstudy.run.launch). What differs between them is only what
-`distributed.init` finds in the environment (one process, or RANK and
+compressed arm as ranks the DeepSpeed launcher starts (coopstudy.run.launch).
+What differs between them is only what `distributed.init` finds in the environment (one process, or RANK and
 WORLD_SIZE) and the arm's microbatch size; the loop below is the same.
 
 Rank 0 writes the record: per update, the loss, gradient norm, learning
