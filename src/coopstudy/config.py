@@ -510,7 +510,7 @@ def load(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if path.suffix in (".yaml", ".yml") and path.is_dir():
         raise ConfigError(f"preset {path}: a folder, not a file")
     if path.suffix in (".yaml", ".yml") and not path.is_file():
-        raise ConfigError(f"preset {path}: {'not a regular file (a pipe, socket or device)' if path.exists() else 'no such file'}")
+        raise ConfigError(f"preset {path}: {workspace.NOT_A_REGULAR_FILE if path.exists() else 'no such file'}")
     if path.suffix not in (".yaml", ".yml") and "/" in preset:
         raise ConfigError(f"preset {preset}: a preset is a name from configs/ or a path to a .yaml file")
     if path.suffix not in (".yaml", ".yml"):

@@ -6,7 +6,6 @@ errors: every layer may use it."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -14,6 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from coopstudy import errors
 from coopstudy.errors import UserError
 
 HOME_VARIABLE = "COOPSTUDY_HOME"
@@ -55,13 +55,17 @@ def home() -> Path:
     return root
 
 
+NOT_A_REGULAR_FILE = "not a regular file (a pipe, socket or device)"
+"""What a path the study reads as a file is, when it is there but no file: a FIFO would block the read for ever."""
+
+
 def subdir(*parts: str) -> Path:
     root = home()
     path = root.joinpath(*parts)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno in errors.FULL_DISK:
             raise  # a full disk is said as one (cli.main)
         raise UserError(f"the study's home {root}: cannot make {path} ({err.strerror}); set {HOME_VARIABLE} to a folder it can write") from None
     return path

@@ -16,7 +16,6 @@ full disk or a clean-up may take; weights that changed are refused.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tempfile
@@ -86,7 +85,7 @@ def _restore(cand: Candidate, missing: str) -> str:
                 shutil.rmtree(cand.path)
             os.replace(got, cand.path)
     except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno in errors.FULL_DISK:
             raise  # said as a full disk, in one line, by the CLI
         raise RefusedError(f"{missing}, and they cannot be written back there ({err.strerror or err})") from None
     return actual

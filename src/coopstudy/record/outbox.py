@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import errno
 import fcntl
 import json
 import math
@@ -75,8 +74,7 @@ def is_outage(err: BaseException, outer: BaseException | None = None) -> bool:
 
 def _on_full_disk(err: BaseException) -> bool:
     """A local store (SQLite, or a file artifact store) that had no space for the record."""
-    full = (errno.ENOSPC, errno.EDQUOT)
-    return store.on_full_disk(err) or any(isinstance(seen, OSError) and seen.errno in full for seen in errors.chain(err))
+    return store.on_full_disk(err) or any(isinstance(seen, OSError) and seen.errno in errors.FULL_DISK for seen in errors.chain(err))
 
 
 def _interruption(err: BaseException, outer: BaseException | None = None) -> BaseException | None:

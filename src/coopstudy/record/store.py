@@ -136,7 +136,7 @@ def remote_file() -> Path:
     if named and Path(named).is_dir():
         raise UserError(f"{ENV_REMOTE_FILE}={named}: a folder, not a file")
     if named and not Path(named).is_file():
-        what = "not a regular file (a pipe, socket or device)" if Path(named).exists() else "no such file"
+        what = workspace.NOT_A_REGULAR_FILE if Path(named).exists() else "no such file"
         raise UserError(f"{ENV_REMOTE_FILE}={named}: {what}")
     return Path(named) if named else workspace.project_root() / REMOTE_FILE
 
@@ -239,21 +239,24 @@ def tracking_uri() -> str:
     return uri
 
 
-def on_full_disk(err: BaseException) -> bool:
-    """True when `err` comes from a SQLite store whose disk is full (MLflow
-    raises it wrapped twice: sqlite3's error in SQLAlchemy's, that in its own)."""
+def _sqlite_says(err: BaseException, words: str) -> bool:
+    """True when sqlite3's error, anywhere down `err`'s chain, says `words`
+    (MLflow raises it wrapped twice: sqlite3's error in SQLAlchemy's, that in its own)."""
     import sqlite3
 
-    return any(isinstance(seen, sqlite3.OperationalError) and "disk is full" in str(seen) for seen in errors.chain(err))
+    return any(isinstance(seen, sqlite3.OperationalError) and words in str(seen) for seen in errors.chain(err))
+
+
+def on_full_disk(err: BaseException) -> bool:
+    """True when `err` comes from a SQLite store whose disk is full."""
+    return _sqlite_says(err, "disk is full")
 
 
 def on_locked(err: BaseException) -> bool:
     """True when `err` comes from a SQLite store that another process kept
     locked past SQLite's wait (a long write: another step's, a shell's open
     transaction, `mlflow gc`)."""
-    import sqlite3
-
-    return any(isinstance(seen, sqlite3.OperationalError) and "database is locked" in str(seen) for seen in errors.chain(err))
+    return _sqlite_says(err, "database is locked")
 
 
 def locked_said() -> str:

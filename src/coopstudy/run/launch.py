@@ -553,7 +553,7 @@ def check_hostfile(path: Path, needed: int, per_host: int = 1) -> list[str]:
         raise UserError(f"--hostfile {path}: a folder, not a file")
     if path.exists() and not path.is_file():
         # A FIFO would block the read for ever (under --dry-run too).
-        raise UserError(f"--hostfile {path}: not a regular file (a pipe, socket or device)")
+        raise UserError(f"--hostfile {path}: {workspace.NOT_A_REGULAR_FILE}")
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
