@@ -32,10 +32,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What a refusal imports before it speaks (an open store included).
-PRELOAD = ("coopstudy.cli", "coopstudy.config", "mlflow", "mlflow.store.tracking.sqlalchemy_store")
+# What a refusal imports before it speaks (an open store included), then the
+# libraries a command that does work imports (torch and transformers' model
+# code alone take 5-7 s of a prepare, verify or evaluate). Only libraries: a
+# test may change the project's sources, never theirs.
+PRELOAD = (
+    "coopstudy.cli", "coopstudy.config", "mlflow", "mlflow.store.tracking.sqlalchemy_store",
+    "torch", "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "reasoning_gym",
+)  # fmt: skip
 # Read when an interpreter starts or a library loads, so the server's values hold in its children.
-_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_", "TCMALLOC", "OMP_", "MKL_", "KMP_")
+_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_", "TCMALLOC", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "HF_", "TRANSFORMERS_")
 
 
 def _at_start(env: dict[str, str]) -> dict[str, str]:
