@@ -489,6 +489,14 @@ def _verdict_line(report: dict[str, Any]) -> str:
     return " ".join([f"Quality verdict: {v[sc.QUALITY].upper()}. Speed verdict: {v[sc.SPEED].upper()}.", *_unpowered(report)])
 
 
+def _needs(report: dict[str, Any]) -> str:
+    """Which screens, by their number in the table, each verdict needs."""
+    numbers = {g: [i for i, s in enumerate(report["screens"], start=1) if s["name"] in names] for g, names in sc.GROUPS.items()}
+    said = [f"the {g} verdict needs screen{'s' * (len(n) > 1)} {', '.join(map(str, n))}" for g, n in numbers.items()]
+    text = "; ".join(said)
+    return text[0].upper() + text[1:] + "."
+
+
 def _unpowered(report: dict[str, Any]) -> list[str]:
     """One sentence per screen that passed without the power to mean it."""
     return [
@@ -548,7 +556,7 @@ def _methods(report: dict[str, Any]) -> list[str]:
 def to_markdown(report: dict[str, Any]) -> str:
     parts = [
         f"# {_title(report)}",
-        f"**{_verdict_line(report)}** The quality verdict needs screens 1-3, the speed verdict screens 4-5.",
+        f"**{_verdict_line(report)}** {_needs(report)}",
         preset_line(report),
         "## Screens (pre-registered)",
         _md_table(*screen_rows(report)),

@@ -245,6 +245,12 @@ def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):
     md = (tmp_path / "a" / schema.ART_REPORT_MD).read_text()
     page = (tmp_path / "a" / schema.ART_REPORT_HTML).read_text()
     assert page.count("data:image/png;base64,") == 6
+    # Each verdict names its screens by their rows' numbers in the table under it.
+    numbered = {line.split(" | ")[1]: line.split(" | ")[0].strip("| ") for line in md.splitlines() if line.startswith("| ")}
+    titles = {s["name"]: s["title"] for s in report["screens"]}
+    assert "The quality verdict needs screens {}, {}, {}; the speed verdict needs screens {}, {}.".format(
+        *(numbered[titles[name]] for name in ("accuracy_gain", "retention", "noninferiority", "active_speedup", "complete_speedup"))
+    ) in md
     # Where the seconds went, per phase and arm: medians of the per-update metrics.
     dense, later = report["breakdown"]["dense"], report["breakdown"]["compressed"]
     assert dense["updates"] == [1, tiny.powersgd.dense_updates] and later["updates"][1] == tiny.train.updates

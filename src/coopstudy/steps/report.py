@@ -97,8 +97,7 @@ def _print(report: dict[str, Any], folder: Path) -> None:
     console.print(rep.attempts_line(report), soft_wrap=True)
     console.print(rep.evaluations_line(report), soft_wrap=True)
     console.print(rep.preset_line(report), soft_wrap=True, markup=False)  # values such as [gcd, products] are no markup
-    v = report["verdicts"]
-    console.print(f"quality: [bold]{v['quality'].upper()}[/]  speed: [bold]{v['speed'].upper()}[/]")
+    console.print("  ".join(f"{group}: [bold]{verdict.upper()}[/]" for group, verdict in report["verdicts"].items()))
     console.print(f"report written to {folder}", soft_wrap=True)
 
 
