@@ -12,6 +12,7 @@ Imported by conftest (`from fixtures import *`), which makes them every test's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -173,6 +174,19 @@ def small_disk(tmp_path) -> Iterator[Path]:
     finally:
         # Lazily: this process may still hold the database open (MLflow keeps its engine).
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def fill_disk(disk: Path, leave_pages: int = 0) -> None:
+    """Fill `disk` up, then free `leave_pages` pages of it."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))  # unbuffered: a buffered file would fail again as it closes
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+    os.ftruncate(fd, os.fstat(fd).st_size - leave_pages * 4096)
+    os.close(fd)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import fill_disk
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -101,22 +102,9 @@ def test_a_tensor_missing_on_disk_is_caught(model, tokenizer, tmp_path):
         checkpoint.verify(saved.folder, expected, saved.sha256)
 
 
-def _fill(disk: Path, leave_pages: int) -> None:
-    """Fill `disk` up, then free `leave_pages` pages: room for the small files, not for the weights."""
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, bytes(4096))  # unbuffered: a buffered file would fail again as it closes
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-    os.ftruncate(fd, os.fstat(fd).st_size - leave_pages * 4096)
-    os.close(fd)
-
-
 def test_a_full_disk_keeps_nothing_of_the_checkpoint(model, tokenizer, small_disk):
     # safetensors says a failed write as its own error, not an OSError: it ended the rank in a traceback.
-    _fill(small_disk, leave_pages=2)
+    fill_disk(small_disk, leave_pages=2)  # room for the small files, not for the weights
     folder = small_disk / "checkpoints" / "run"
     folder.mkdir(parents=True)  # as the worker makes it
     with pytest.raises(checkpoint.CheckpointWriteFailed) as failed:

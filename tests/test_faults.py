@@ -47,7 +47,7 @@ import mlflow
 import psutil
 import pytest
 import yaml
-from fixtures import ROOT, Store, checkout_copy, run_cli, run_worker
+from fixtures import ROOT, Store, checkout_copy, fill_disk, run_cli, run_worker
 
 from coopstudy import cli, config, workspace
 from coopstudy.commit import ledger, plan, receipts, sources
@@ -749,11 +749,7 @@ def test_a_tracking_store_on_a_full_disk_is_one_line_exit_2(tiny_seed_home, _mig
     # A study's store: the experiment is there, the step's first write is its run (MLflow logs
     # that SQLite error's traceback itself, before it raises).
     _client(store).create_experiment("coopstudy")
-    with open(small_disk / "filler", "wb") as filler:
-        with contextlib.suppress(OSError):  # ENOSPC: the disk is full
-            while True:
-                filler.write(b"\0" * 65536)
-                filler.flush()
+    fill_disk(small_disk)
     done = run_cli("prepare", "--preset", "tiny", env=store.env())
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]

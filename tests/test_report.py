@@ -9,10 +9,11 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT
+from fixtures import ROOT, fill_disk
 
 from analysis import records
 from analysis import report as rep
@@ -193,6 +194,44 @@ def _report(capsys, *args: str) -> tuple[int, str, str]:
 
 def _report_runs() -> list:
     return store.search_runs("coopstudy", f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_REPORT}'")
+
+
+@pytest.mark.parametrize("cut", ["full disk", "Ctrl-C"])
+def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, small_disk, cut):
+    make_study(tiny)
+    out = small_disk / "report"
+    rc, _, err = _report(capsys, "--out", str(out))
+    assert rc == 0, err
+    last = {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    patched = pytest.MonkeyPatch()
+    if cut == "full disk":
+        # Room for the small files of a report again, not for its page of figures.
+        room = sum(-(-(out / name).stat().st_size // 4096) for name in (schema.ART_REPORT_JSON, schema.ART_REPORT_MD)) + 1
+        assert (out / schema.ART_REPORT_HTML).stat().st_size > (room + 2) * 4096
+        fill_disk(small_disk, leave_pages=room)
+        said = "No space left on device"
+    else:
+        # Ctrl-C as the figures are written, the last of a report's files.
+        write_bytes = Path.write_bytes
+
+        def interrupted(path: Path, data: bytes) -> int:
+            if path.suffix == ".png":
+                raise KeyboardInterrupt
+            return write_bytes(path, data)
+
+        patched.setattr(Path, "write_bytes", interrupted)
+        said = "coopstudy report: interrupted"
+    try:
+        rc, _, err = _report(capsys, "--out", str(out))
+    finally:
+        patched.undo()
+    assert rc == (2 if cut == "full disk" else 130) and said in err and "Traceback" not in err, err
+    assert {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == last
+    assert sorted(p.name for p in out.iterdir()) == sorted({p.parts[0] for p in last})  # nothing half-written beside it
+    (small_disk / "filler").unlink(missing_ok=True)
+    rc, _, err = _report(capsys, "--out", str(out))
+    assert rc == 0, err
+    assert all((out / name).stat().st_mtime_ns > mtime for name, (mtime, _) in last.items())
 
 
 def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):

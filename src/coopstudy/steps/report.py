@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,8 @@ NOTE_CUT = f"MLflow keeping {NOTE_LIMIT:,} characters of a description"
 """Why the run's description stops short of report.md."""
 REPORT_FOLDER = "<home>/reports/<plan|config>-<first 12 digits of the sha>/"
 """Where the report's files go unless --out names a folder."""
+WRITING = ".report-being-written"
+"""In a report folder: this report's files, moved in once every one of them is whole."""
 
 
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
@@ -139,6 +143,30 @@ def _make_folder(folder: Path) -> None:
         raise UserError(f"report folder {folder}: cannot make it ({err.strerror})") from None
 
 
+def _write_whole(folder: Path, files: dict[str, str], images: dict[str, bytes]) -> None:
+    """This report's files and figures in `folder`, or, where writing them is cut
+    short (a full disk, a stop), the last report's as they were: never the
+    JSON of one report beside the HTML of another."""
+    writing = folder / WRITING
+    shutil.rmtree(writing, ignore_errors=True)  # left by a report killed as it wrote
+    try:
+        (writing / schema.ART_FIGURES).mkdir(parents=True)
+        for name, text in files.items():
+            (writing / name).write_text(text)
+        for name, png in images.items():
+            (writing / schema.ART_FIGURES / name).write_bytes(png)
+    except BaseException:
+        shutil.rmtree(writing, ignore_errors=True)
+        raise
+    # Renames within one folder take no room: a full disk cannot stop them halfway.
+    for name in files:
+        os.replace(writing / name, folder / name)
+    if (folder / schema.ART_FIGURES).is_dir():
+        (folder / schema.ART_FIGURES).rename(writing / "last")  # the last report's, whose titles may differ
+    (writing / schema.ART_FIGURES).rename(folder / schema.ART_FIGURES)
+    shutil.rmtree(writing)
+
+
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     """What report refuses in its arguments, before its run opens (and under --dry-run)."""
     from analysis import records as records_mod
@@ -181,14 +209,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             schema.ART_REPORT_MD: markdown,
             schema.ART_REPORT_HTML: rep.to_html(report, plots),
         }
-        for name, text in files.items():
-            (folder / name).write_text(text)
-            rec.log_artifact(folder / name)
         # The figures as images of the run too, not only inside the HTML.
-        (folder / schema.ART_FIGURES).mkdir(exist_ok=True)
-        for title, png in plots.items():
-            image = folder / schema.ART_FIGURES / f"{_slug(title)}.png"
-            image.write_bytes(base64.b64decode(png))
+        images = {f"{_slug(title)}.png": base64.b64decode(png) for title, png in plots.items()}
+        _write_whole(folder, files, images)
+        for name in files:
+            rec.log_artifact(folder / name)
         rec.log_artifact(folder / schema.ART_FIGURES, schema.ART_FIGURES)
         # What the run page shows first: the report itself.
         rec.set_tags({writer.NOTE_TAG: _note(markdown)})
