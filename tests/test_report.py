@@ -23,6 +23,7 @@ from coopstudy import config
 from coopstudy.commit import sources
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store, writer
+from coopstudy.steps import report as report_step
 
 PLAN = "ab" * 32
 CANDIDATE = {"control": "c0" * 32, "compressed": "c1" * 32}
@@ -212,14 +213,14 @@ def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, small_dis
         said = "No space left on device"
     else:
         # Ctrl-C as the figures are written, the last of a report's files.
-        write_bytes = Path.write_bytes
+        write = report_step._write_synced
 
-        def interrupted(path: Path, data: bytes) -> int:
+        def interrupted(path: Path, data: bytes) -> None:
             if path.suffix == ".png":
                 raise KeyboardInterrupt
-            return write_bytes(path, data)
+            write(path, data)
 
-        patched.setattr(Path, "write_bytes", interrupted)
+        patched.setattr(report_step, "_write_synced", interrupted)
         said = "coopstudy report: interrupted"
     try:
         rc, _, err = _report(capsys, "--out", str(out))
@@ -231,7 +232,23 @@ def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, small_dis
     (small_disk / "filler").unlink(missing_ok=True)
     rc, _, err = _report(capsys, "--out", str(out))
     assert rc == 0, err
-    assert all((out / name).stat().st_mtime_ns > mtime for name, (mtime, _) in last.items())
+    assert all((out / name).stat().st_mtime_ns > mtime for name, (mtime, _) in last.items() if name.name != report_step.WRITING_LOCK)
+
+
+def test_a_second_report_into_a_folder_waits_for_the_first(tmp_path):
+    import fcntl
+    import threading
+
+    with open(tmp_path / report_step.WRITING_LOCK, "a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX)  # as a report writing this folder holds it
+        second = threading.Thread(target=report_step._write_whole, args=(tmp_path, {schema.ART_REPORT_JSON: "{}"}, {"a.png": b"png"}))
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and not (tmp_path / report_step.WRITING).exists()
+    second.join(timeout=10)
+    assert not second.is_alive()
+    assert (tmp_path / schema.ART_REPORT_JSON).read_text() == "{}" and (tmp_path / schema.ART_FIGURES / "a.png").read_bytes() == b"png"
+    assert not (tmp_path / report_step.WRITING).exists()
 
 
 def test_report_from_the_store_alone_is_deterministic(capsys, tiny, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 from pathlib import Path
 
 import mlflow
@@ -336,7 +337,7 @@ def test_remote_deliver_refuses_a_tracking_uri_it_cannot_open():
 
 
 @pytest.mark.parametrize("failing", [False, True], ids=["finishing", "failing"])
-def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered(failing, monkeypatch):
+def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered(failing, monkeypatch, capsys):
     # MLflow takes the run off its stack before it asks the server to end it:
     # a Ctrl-C then left the run RUNNING, with nothing anywhere to end it.
     from mlflow.tracking import MlflowClient
@@ -355,6 +356,8 @@ def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivere
         if failing:
             raise UserError("nothing to select")
     (run_id,) = stops
+    said = f"coopstudy: run {run_id} may still be RUNNING; `python -m coopstudy remote deliver {run_id}` ends it"
+    assert capsys.readouterr().err.splitlines() == [said]
     client = store.client()
     assert client.get_run(run_id).info.status == "RUNNING"
     kept = [json.loads(line) for line in (outbox.outbox_dir() / f"{run_id}.jsonl").read_text().splitlines()]
@@ -364,6 +367,32 @@ def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivere
     ended = client.get_run(run_id)
     assert ended.info.status == ("FAILED" if failing else "FINISHED")
     assert (ended.data.tags.get(schema.TAG_ERROR) == "nothing to select") == failing
+
+
+def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered():
+    # The end is the one write no later run takes over: the run stayed RUNNING
+    # for good (a selection committed under it, select then refused to run again).
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    def locked(self, run_id, status=None, end_time=None):
+        # As MLflow says it once SQLite's 20-s wait for another process's lock is over.
+        try:
+            raise sqlite3.OperationalError("database is locked")
+        except sqlite3.OperationalError as err:
+            raise MlflowException("(sqlite3.OperationalError) database is locked") from err
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(MlflowException) as raised:
+        mp.setattr(MlflowClient, "set_terminated", locked)
+        with writer.stage_run("select", config.load("tiny")) as rec:
+            pass
+    assert store.on_locked(raised.value)
+    assert writer.ends_kept()[-1] == rec.run_id
+    client = store.client()
+    assert client.get_run(rec.run_id).info.status == "RUNNING"
+    done = run_cli("remote", "deliver", rec.run_id)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert client.get_run(rec.run_id).info.status == "FINISHED"
 
 
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):

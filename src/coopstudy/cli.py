@@ -261,14 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         # The same for the tracking store's SQLite file, which MLflow's error only wraps.
         from coopstudy.record import store, writer
 
-        if store.on_locked(err):
-            print(f"coopstudy {args.step}: error: {store.locked_said()}; run it again once that process is done", file=sys.stderr)
-            return 2
-        if not store.on_full_disk(err):
+        locked = store.on_locked(err)
+        if not (locked or store.on_full_disk(err)):
             raise
         kept = writer.ends_kept()
-        runs = f"run {', '.join(kept)} stays RUNNING until `python -m coopstudy remote deliver` ends it" if kept else "a run this step had opened stays RUNNING"
-        print(f"coopstudy {args.step}: error: {store.full_disk_said()}; free some space and run it again ({runs})", file=sys.stderr)
+        if kept:
+            runs = f" (run {', '.join(kept)} stays RUNNING until `python -m coopstudy remote deliver` ends it)"
+        else:
+            runs = "" if locked else " (a run this step had opened stays RUNNING)"
+        said = f"{store.locked_said()}; run it again once that process is done" if locked else f"{store.full_disk_said()}; free some space and run it again"
+        print(f"coopstudy {args.step}: error: {said}{runs}", file=sys.stderr)
         return 2
 
 

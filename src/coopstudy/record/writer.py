@@ -340,8 +340,9 @@ def _end(rec: Recorder, status: str) -> bool:
         # the server, so an outage here leaves a parent's next child correctly nested.
         mlflow.end_run(status)
     except Exception as err:
-        if store.on_full_disk(err):
-            # The store cannot take the end now; once it has space, `remote deliver` can.
+        if store.on_full_disk(err) or store.on_locked(err):
+            # The store cannot take the end now; once it has space (or the
+            # process that holds it is done), `remote deliver` can.
             _keep_end(rec, status)
             raise
         if not outbox.is_outage(err):

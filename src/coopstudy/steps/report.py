@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import fcntl
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,9 @@ NOTE_CUT = f"MLflow keeping {NOTE_LIMIT:,} characters of a description"
 REPORT_FOLDER = "<home>/reports/<plan|config>-<first 12 digits of the sha>/"
 """Where the report's files go unless --out names a folder."""
 WRITING = ".report-being-written"
-"""In a report folder: this report's files, moved in once every one of them is whole."""
+"""In a report folder: the report being written, moved in once every file of it is whole."""
+WRITING_LOCK = ".report-lock"
+"""In a report folder: held by the report writing it (two reports never write one folder at once)."""
 
 
 HELP = "compute the pre-registered screens from the tracked runs and write the report"
@@ -148,23 +152,36 @@ def _write_whole(folder: Path, files: dict[str, str], images: dict[str, bytes]) 
     short (a full disk, a stop), the last report's as they were: never the
     JSON of one report beside the HTML of another."""
     writing = folder / WRITING
-    shutil.rmtree(writing, ignore_errors=True)  # left by a report killed as it wrote
-    try:
-        (writing / schema.ART_FIGURES).mkdir(parents=True)
-        for name, text in files.items():
-            (writing / name).write_text(text)
-        for name, png in images.items():
-            (writing / schema.ART_FIGURES / name).write_bytes(png)
-    except BaseException:
-        shutil.rmtree(writing, ignore_errors=True)
-        raise
-    # Renames within one folder take no room: a full disk cannot stop them halfway.
-    for name in files:
-        os.replace(writing / name, folder / name)
-    if (folder / schema.ART_FIGURES).is_dir():
-        (folder / schema.ART_FIGURES).rename(writing / "last")  # the last report's, whose titles may differ
-    (writing / schema.ART_FIGURES).rename(folder / schema.ART_FIGURES)
-    shutil.rmtree(writing)
+    with open(folder / WRITING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(writing, ignore_errors=True)  # left by a report killed as it wrote
+        try:
+            (writing / schema.ART_FIGURES).mkdir(parents=True)
+            for name, text in files.items():
+                _write_synced(writing / name, text.encode())
+            for name, png in images.items():
+                _write_synced(writing / schema.ART_FIGURES / name, png)
+        except BaseException:
+            shutil.rmtree(writing, ignore_errors=True)
+            raise
+        # Renames take no room, so a full disk cannot stop them halfway; a stop
+        # signal waits until they are done.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        try:
+            for name in files:
+                os.replace(writing / name, folder / name)
+            if (folder / schema.ART_FIGURES).is_dir():
+                (folder / schema.ART_FIGURES).rename(writing / "last")  # the last report's, whose titles may differ
+            (writing / schema.ART_FIGURES).rename(folder / schema.ART_FIGURES)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        shutil.rmtree(writing)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        os.fsync(fh.fileno())  # whole on disk before its name says it is
 
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
