@@ -3,8 +3,8 @@ imports another.
 
 The tiny study's expensive states are made once per session (once, not once
 per xdist worker: made_once), as a user makes them, through the CLI: the tiny
-seed, the prepared store, the verified and probed store. A test gets its own
-copy (`prepared_tiny`, `probed_tiny`, or a module-wide one from
+seed, the prepared store, the verified store, the probed store. A test gets its own
+copy (`prepared_tiny`, `verified_tiny`, `probed_tiny`, or a module-wide one from
 `module_store`), so it may change or break it freely.
 Imported by conftest (`from fixtures import *`), which makes them every test's.
 """
@@ -228,13 +228,30 @@ def prepared_tiny(prepared_tiny_store, tmp_path, monkeypatch) -> Store:
 
 
 @pytest.fixture(scope="session")
-def probed_tiny_store(prepared_tiny_store, tmp_path_factory) -> Store:
-    """The prepared tiny store, verified and probed with the preset's grid."""
+def verified_tiny_store(prepared_tiny_store, tmp_path_factory) -> Store:
+    """The prepared tiny store, verified: `python -m coopstudy verify --preset tiny`."""
 
     def make(store: Store) -> subprocess.CompletedProcess:
         prepared_tiny_store.copy(store.home.parent)
         verified = run_cli("verify", "--preset", "tiny", env=store.env())
         assert verified.returncode == 0, verified.stderr[-3000:]
+        return verified
+
+    return _made_store(tmp_path_factory, "verified-tiny", make)
+
+
+@pytest.fixture
+def verified_tiny(verified_tiny_store, tmp_path, monkeypatch) -> Store:
+    """This test's own copy of the verified tiny store, in use."""
+    return verified_tiny_store.copy(tmp_path).use(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def probed_tiny_store(verified_tiny_store, tmp_path_factory) -> Store:
+    """The verified tiny store, probed with the preset's grid."""
+
+    def make(store: Store) -> subprocess.CompletedProcess:
+        verified_tiny_store.copy(store.home.parent)
         probed = run_cli("probe", "--preset", "tiny", env=store.env())
         assert probed.returncode == 0, probed.stderr[-3000:]
         return probed

@@ -31,8 +31,8 @@ def _gate_runs() -> list:
     return client.search_runs([exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_VERIFY}'")
 
 
-def test_verify_passes_and_its_receipt_binds_the_numerical_sources(cli, tmp_path):
-    done = cli("verify", "--preset", "tiny")
+def test_verify_passes_and_its_receipt_binds_the_numerical_sources(verified_tiny, tmp_path):
+    done = verified_tiny.printed  # `python -m coopstudy verify --preset tiny` on the prepared store
     assert done.returncode == 0, done.stderr
     assert "gate passed" in done.stdout
     for case in gate.gate_cases():
