@@ -3,7 +3,8 @@ imports another.
 
 The tiny study's expensive states are made once per session (once, not once
 per xdist worker: made_once), as a user makes them, through the CLI: the tiny
-seed, the prepared store, the verified store, the probed store. A test gets its own
+seed, the prepared store, the verified store, the probed store, the planned
+store, the trained store. A test gets its own
 copy (`prepared_tiny`, `verified_tiny`, `probed_tiny`, or a module-wide one from
 `module_store`), so it may change or break it freely.
 Imported by conftest (`from fixtures import *`), which makes them every test's.
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -101,10 +103,17 @@ class Store:
         return {"MLFLOW_TRACKING_URI": self.tracking_uri, "COOPSTUDY_HOME": str(self.home)}
 
     def copy(self, dst: Path) -> Store:
-        """An independent copy under `dst`."""
+        """An independent copy under `dst`: its train runs name the checkpoints
+        in its own home, as if trained there (a test may change them)."""
         copied = Store(dst / "home", dst / "mlflow.db", self.printed)
         shutil.copytree(self.home, copied.home)
         shutil.copy(self.db, copied.db)
+        with contextlib.closing(sqlite3.connect(copied.db)) as db:
+            db.execute(
+                "update tags set value = replace(value, ?, ?) where key = ?",
+                (f"{self.home}/", f"{copied.home}/", schema.TAG_CHECKPOINT_PATH),
+            )
+            db.commit()
         return copied
 
     def use(self, monkeypatch: pytest.MonkeyPatch) -> Store:
@@ -263,6 +272,49 @@ def probed_tiny_store(verified_tiny_store, tmp_path_factory) -> Store:
 def probed_tiny(probed_tiny_store, tmp_path, monkeypatch) -> Store:
     """This test's own copy of the probed tiny store, in use."""
     return probed_tiny_store.copy(tmp_path).use(monkeypatch)
+
+
+LONG = 1000
+"""Updates of a config whose runs are stopped midway: they never finish on their own in a test's time."""
+
+
+@pytest.fixture(scope="session")
+def planned_tiny_store(probed_tiny_store, tmp_path_factory) -> Store:
+    """The probed tiny store, planned; and a LONG config prepared and planned."""
+
+    def make(store: Store) -> subprocess.CompletedProcess:
+        probed_tiny_store.copy(store.home.parent)
+        for args in (("plan",), ("prepare", "--set", f"train.updates={LONG}"), ("plan", "--set", f"train.updates={LONG}")):
+            done = run_cli(args[0], "--preset", "tiny", *args[1:], env=store.env())
+            assert done.returncode == 0, (args, done.stderr[-3000:])
+        return done
+
+    return _made_store(tmp_path_factory, "planned-tiny", make)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_store(planned_tiny_store, tmp_path_factory) -> Store:
+    """The planned tiny store with both arms trained, as `mlflow run . -e train
+    -P arm=both` trains them: a project run is made first and handed over in
+    MLFLOW_RUN_ID (it becomes the parent of both arms, `train-both-tiny`), and
+    the stage is started by a shell whose environment holds the run, the store
+    and the experiment (the stage reads the user's own environment off its
+    parent, coopstudy.record.store). `printed` is what the stage printed."""
+
+    def make(store: Store) -> subprocess.CompletedProcess:
+        planned_tiny_store.copy(store.home.parent)
+        client = mlflow.MlflowClient(store.tracking_uri)
+        experiment = client.get_experiment_by_name("coopstudy").experiment_id
+        project = client.create_run(experiment).info.run_id
+        done = subprocess.run(
+            ["/bin/sh", "-c", '"$0" -m coopstudy train --preset tiny --arm both; exit $?', sys.executable],
+            cwd=ROOT, env={**os.environ, **store.env(), "MLFLOW_RUN_ID": project, "MLFLOW_EXPERIMENT_ID": experiment},
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    return _made_store(tmp_path_factory, "trained-tiny", make)
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ import mlflow
 import psutil
 import pytest
 import yaml
-from fixtures import ROOT, Store, checkout_copy, fill_disk, run_cli, run_worker
+from fixtures import LONG, ROOT, Store, checkout_copy, fill_disk, run_cli, run_worker
 
 from coopstudy import cli, config, workspace
 from coopstudy.commit import ledger, plan, receipts, sources
@@ -58,8 +58,6 @@ from coopstudy.run import launch
 
 pytestmark = pytest.mark.slow
 
-LONG = 1000
-"""Updates of a config whose runs are stopped midway: they never finish on their own in a test's time."""
 STAGE_START_S = 240
 """Time a stage may take to reach its first update on a loaded two-core machine."""
 
@@ -72,21 +70,14 @@ def _cli_env(store: Store, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def planned_store(probed_tiny_store, tmp_path_factory) -> Store:
+def planned_store(planned_tiny_store, tmp_path_factory) -> Store:
     """Prepared, verified, probed and planned; plus a LONG config prepared and planned."""
-    store = probed_tiny_store.copy(tmp_path_factory.mktemp("faults-planned"))
-    for args in (("plan",), ("prepare", "--set", f"train.updates={LONG}"), ("plan", "--set", f"train.updates={LONG}")):
-        done = run_cli(args[0], "--preset", "tiny", *args[1:], env=store.env())
-        assert done.returncode == 0, (args, done.stderr[-3000:])
-    return store
+    return planned_tiny_store.copy(tmp_path_factory.mktemp("faults-planned"))
 
 
 @pytest.fixture(scope="module")
-def trained_store(planned_store, tmp_path_factory) -> Store:
-    store = planned_store.copy(tmp_path_factory.mktemp("faults-trained"))
-    done = run_cli("train", "--preset", "tiny", "--arm", "both", env=store.env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    return store
+def trained_store(trained_tiny_store, tmp_path_factory) -> Store:
+    return trained_tiny_store.copy(tmp_path_factory.mktemp("faults-trained"))
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +249,11 @@ def _plan_garbled(store: Store, tmp: Path) -> Tampered:
 
 def _checkpoint_before_select(store: Store, tmp: Path) -> Tampered:
     (run,) = _runs(store, "attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED'")
-    folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])
+    folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])  # in this copy's home (Store.copy)
+    _flip(folder / workspace.WEIGHTS_FILE, offset=(folder / workspace.WEIGHTS_FILE).stat().st_size - 1)
     return Tampered(
         (f"arm control: the weights in {folder} hash to", f"train run {run.info.run_id} recorded"),
         f"delete {folder} to have it brought back from that run's `checkpoint` artifact (an arm trains once per plan",
-        restore=_flip_shared(folder / workspace.WEIGHTS_FILE),
     )
 
 
@@ -954,17 +945,11 @@ def test_checkpoints_deleted_before_select_come_back_from_the_record(trained_sto
     arms = _runs(store, f"tags.`{schema.TAG_CHECKPOINT_PATH}` != '' and attributes.status = 'FINISHED'")
     trained = {r.data.tags[schema.TAG_ARM]: r for r in arms}
     assert sorted(trained) == sorted(config.ARMS) and len(arms) == 2
-    folders = {arm: Path(r.data.tags[schema.TAG_CHECKPOINT_PATH]) for arm, r in trained.items()}
-    (tmp_path / "kept").mkdir()
-    for arm, folder in folders.items():  # the module's trained checkpoints: put back below
-        shutil.move(folder, tmp_path / "kept" / arm)
-    try:
-        done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
-        back = {arm: workspace.sha256_file(folder / workspace.WEIGHTS_FILE) for arm, folder in folders.items() if folder.is_dir()}
-    finally:
-        for arm, folder in folders.items():
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.move(tmp_path / "kept" / arm, folder)
+    folders = {arm: Path(r.data.tags[schema.TAG_CHECKPOINT_PATH]) for arm, r in trained.items()}  # in this copy's home
+    for folder in folders.values():
+        shutil.rmtree(folder)
+    done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
+    back = {arm: workspace.sha256_file(folder / workspace.WEIGHTS_FILE) for arm, folder in folders.items() if folder.is_dir()}
     assert done.returncode == 0, done.stderr[-3000:]
     for arm, run in trained.items():
         said = f"study: train-{arm}: reused run {run.info.run_id} (the arm's first finished run under plan {run.data.tags[schema.TAG_PLAN][:12]}; its checkpoint is gone from disk, and select brings it back from the run's artifact)"
@@ -979,12 +964,9 @@ def test_a_checkpoint_changed_before_select_stops_the_study_naming_the_way_back(
     # the study stops and says how the planned weights come back, not "running" train.
     store = trained_store.copy(tmp_path / "store")
     (run,) = _runs(store, "attributes.run_name = 'train-control-tiny' and attributes.status = 'FINISHED'")
-    folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])
-    restore = _flip_shared(folder / workspace.WEIGHTS_FILE)  # the module's trained checkpoint: put back below
-    try:
-        done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
-    finally:
-        restore()
+    folder = Path(run.data.tags[schema.TAG_CHECKPOINT_PATH])  # in this copy's home
+    _flip(folder / workspace.WEIGHTS_FILE)
+    done = run_cli("study", "--preset", "tiny", "--through", "select", env=store.env())
     plan = run.data.tags[schema.TAG_PLAN]
     said = (f"coopstudy study: error: train-control: the checkpoint of run {run.info.run_id} is changed: delete {folder}, and "
             f"select brings it back from the run's artifact (the arm's first finished run under plan {plan[:12]}, made once per plan)")  # fmt: skip

@@ -1,8 +1,9 @@
 """train on the tiny preset, through the real CLI: both arms side by side, the
 checkpoint on record, and a killed rank that ends the whole arm as FAILED.
 
-The module shares one store: prepare and verify run once (they are the
-prerequisites train checks), then every test reads the runs it made.
+The module shares one store, a copy of the session's with both arms trained
+through the front door (fixtures.trained_tiny_store); every test reads the
+runs it made.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import mlflow
 import psutil
 import pytest
-from fixtures import ROOT, module_store, run_cli
+from fixtures import LONG, ROOT, module_store
 
 from coopstudy import config, errors, study, workspace
 from coopstudy.commit import sources
@@ -28,23 +29,12 @@ from coopstudy.run import checkpoint, launch, lock, worker
 
 pytestmark = pytest.mark.slow
 
-KILL_UPDATES = 30
-"""Long enough a run that a rank can be killed while the others are mid-update."""
-
-
 @pytest.fixture(scope="module", autouse=True)
-def isolated_store(tmp_path_factory, probed_tiny_store):
-    # Overrides conftest's per-test store: this module's tests share one,
-    # which starts as a copy of the session's prepared, verified and probed
-    # tiny store. Train requires a plan for each config it runs.
-    with module_store(tmp_path_factory, probed_tiny_store, "train-store") as shared:
-        for args in (
-            ("prepare", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
-            ("plan", "--preset", "tiny"),
-            ("plan", "--preset", "tiny", "--set", f"train.updates={KILL_UPDATES}"),
-        ):
-            done = run_cli(*args)
-            assert done.returncode == 0, done.stderr[-3000:]
+def isolated_store(tmp_path_factory, trained_tiny_store):
+    # Overrides conftest's per-test store: this module's tests share one, a
+    # copy of the session's tiny store with both arms trained through the
+    # front door (`both`), and a LONG config planned for a run to kill.
+    with module_store(tmp_path_factory, trained_tiny_store, "train-store") as shared:
         yield shared
 
 
@@ -62,23 +52,12 @@ def _history(run, name: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def both():
-    # As `mlflow run . -e train -P arm=both` does: a project run is created
-    # first and handed over in MLFLOW_RUN_ID; it becomes the parent of both arms.
-    # The stage is started as mlflow run starts it: by a shell whose environment
-    # holds the run, the store and the experiment (the stage reads the
-    # user's own environment off its parent, coopstudy.record.store).
-    experiment = store.experiment_id("coopstudy")
-    project = _client().create_run(experiment).info.run_id
-    done = subprocess.run(
-        ["/bin/sh", "-c", '"$0" -m coopstudy train --preset tiny --arm both; exit $?', sys.executable],
-        cwd=ROOT, env={**os.environ, "MLFLOW_RUN_ID": project, "MLFLOW_EXPERIMENT_ID": experiment},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    parent = _client().get_run(project)
-    children = _runs(f"tags.`mlflow.parentRunId` = '{project}'")
-    return parent, {run.data.tags[schema.TAG_ARM]: run for run in children}, done
+def both(trained_tiny_store):
+    """`train --arm both` as `mlflow run . -e train -P arm=both` starts it
+    (fixtures.trained_tiny_store): the project run, its arms, what it printed."""
+    (parent,) = _runs("attributes.run_name = 'train-both-tiny'")
+    children = _runs(f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return parent, {run.data.tags[schema.TAG_ARM]: run for run in children}, trained_tiny_store.printed
 
 
 def test_both_arms_sit_side_by_side_under_one_parent(both):
@@ -193,7 +172,7 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     with open(log, "w") as out:
         # Output to a file: a pipe nobody reads fills up and stalls the stage.
         stage = subprocess.Popen(
-            [sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={KILL_UPDATES}"],
+            [sys.executable, "-m", "coopstudy", "train", "--preset", "tiny", "--arm", "compressed", "--set", f"train.updates={LONG}"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
     try:
@@ -246,7 +225,7 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     assert f"{schema.ART_WORKER_ERROR_PREFIX}0.txt" in {a.path for a in _client().list_artifacts(run.info.run_id, schema.ART_WORKER_ERROR_PREFIX.rpartition("/")[0])}  # its traceback
     assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
     # What rank 0 measured before it failed (update 1 at least) reached the run.
-    assert 1 <= len(_history(failed, schema.M_LOSS)) < KILL_UPDATES
+    assert 1 <= len(_history(failed, schema.M_LOSS)) < LONG
     assert schema.TAG_CHECKPOINT_SHA not in failed.data.tags
     # Nothing keeps the devices once the job is gone, and it left nothing to
     # recover: its lock files are empty (a holder left in one would be taken

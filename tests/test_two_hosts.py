@@ -120,7 +120,7 @@ class Planned:
     db: Path
     one_host_losses: list[float]
     """The compressed arm's losses, trained on one host by `coopstudy train`
-    (in a copy of the store: an arm trains once per plan)."""
+    (in the session's trained store: an arm trains once per plan)."""
 
     @property
     def uri(self) -> str:
@@ -131,15 +131,11 @@ class Planned:
 
 
 @pytest.fixture(scope="module")
-def planned(probed_tiny_store, tmp_path_factory) -> Planned:
-    copied = probed_tiny_store.copy(tmp_path_factory.mktemp("two-hosts"))
-    for step in (("plan",), ("train", "--arm", "control")):
-        done = run_cli(*step, "--preset", "tiny", env=copied.env())
-        assert done.returncode == 0, (step, done.stderr[-3000:])
-    one_host = copied.copy(tmp_path_factory.mktemp("two-hosts-reference"))
-    done = run_cli("train", "--preset", "tiny", "--arm", "compressed", env=one_host.env())
+def planned(planned_tiny_store, trained_tiny_store, tmp_path_factory) -> Planned:
+    copied = planned_tiny_store.copy(tmp_path_factory.mktemp("two-hosts"))
+    done = run_cli("train", "--arm", "control", "--preset", "tiny", env=copied.env())
     assert done.returncode == 0, done.stderr[-3000:]
-    client = mlflow.MlflowClient(one_host.tracking_uri)
+    client = mlflow.MlflowClient(trained_tiny_store.tracking_uri)
     exp = client.get_experiment_by_name("coopstudy")
     (run,) = client.search_runs(
         [exp.experiment_id], f"tags.`{schema.TAG_STAGE}` = 'train' and tags.`{schema.TAG_ARM}` = 'compressed' and attributes.status = 'FINISHED'"
