@@ -395,6 +395,25 @@ def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_del
     assert client.get_run(rec.run_id).info.status == "FINISHED"
 
 
+def test_a_pointer_that_cannot_be_written_fails_the_stages_run_not_leaves_it_running(monkeypatch, tmp_path):
+    # `mlflow run`'s store elsewhere: its run only points to the stage's. When
+    # that store refuses the pointer, the stage's run, already open, ends FAILED.
+    from mlflow.exceptions import MlflowException
+
+    elsewhere = f"sqlite:///{tmp_path / 'launcher.db'}"
+    launching = mlflow.MlflowClient(elsewhere).create_run("0").info.run_id
+    monkeypatch.setattr(writer, "_launcher", store.Launcher(launching, elsewhere, "0"))
+
+    def refused(*args, **kwargs):
+        raise MlflowException("the launcher's store refused the write")
+
+    monkeypatch.setattr(writer, "_label", refused)
+    with pytest.raises(MlflowException, match="refused the write"), writer.stage_run("select", config.load("tiny")):
+        pass
+    (ended,) = store.search_runs("coopstudy", "attributes.run_name = 'select-tiny'")
+    assert ended.info.status == "FAILED" and ended.data.tags[schema.TAG_ERROR] == "the launcher's store refused the write"
+
+
 def test_a_dataset_logged_by_two_runs_at_once_lands_in_both(monkeypatch):
     """Two prepares log the same files at once: MLflow looks for the experiment's
     dataset row, then inserts it, so both may miss it and the second insert is

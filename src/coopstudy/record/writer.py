@@ -227,8 +227,10 @@ def stage_run(
         nested=parent is not None,
     )
     rec = Recorder(active.info.run_id)
-    pointer = _Pointer(launched, uri, rec.run_id, name) if launched is not None and not adopt else None
+    pointer = None
     try:
+        if launched is not None and not adopt:
+            pointer = _Pointer(launched, uri, rec.run_id, name)
         pending = _pending_tags.get()
         claim = arm if arm in pending else None
         all_tags = _base_tags(stage, cfg, arm) | pending.get(claim, {}) | {k: str(v) for k, v in (tags or {}).items()}
