@@ -485,8 +485,8 @@ def preset_line(report: dict[str, Any]) -> str:
 
 
 def _verdict_line(report: dict[str, Any]) -> str:
-    v = report["verdicts"]
-    return " ".join([f"Quality verdict: {v[sc.QUALITY].upper()}. Speed verdict: {v[sc.SPEED].upper()}.", *_unpowered(report)])
+    said = [f"{group.capitalize()} verdict: {verdict.upper()}." for group, verdict in report["verdicts"].items()]
+    return " ".join([*said, *_unpowered(report)])
 
 
 def _needs(report: dict[str, Any]) -> str:
@@ -698,10 +698,7 @@ _CSS = (
 
 
 def to_html(report: dict[str, Any], plots: dict[str, str]) -> str:
-    v = report["verdicts"]
-    verdicts = " ".join(
-        f'<span class="{v[g]}">{html.escape(g)}: {v[g].upper()}</span>' for g in (sc.QUALITY, sc.SPEED)
-    )
+    verdicts = " ".join(f'<span class="{v}">{html.escape(g)}: {v.upper()}</span>' for g, v in report["verdicts"].items())
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_title(report))}</title>"
         f"<style>{_CSS}</style></head><body>",

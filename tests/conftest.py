@@ -39,6 +39,10 @@ def isolated_store(tmp_path_factory, monkeypatch, _migrated_db):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
     monkeypatch.setenv("COOPSTUDY_HOME", str(base / "home"))
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    # The runs whose end an in-process stage kept are this test's to name, not an earlier one's.
+    from coopstudy.record import writer
+
+    monkeypatch.setattr(writer, "_ENDS_KEPT", [])
     return base
 
 

@@ -68,11 +68,14 @@ def faults_of_a_large_tensor_made_again(env: dict[str, str] | None = None, setup
 _WARM = warm_cli.Server()
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`python -m coopstudy ARGS` as a user runs it, in the test's store, from
-    `cwd` (the project unless a test starts it elsewhere); forked from a warm
-    interpreter where that is the same (tests/warm_cli.py)."""
-    full = {**os.environ, **(env or {})}
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path = ROOT, inherit: bool = True
+) -> subprocess.CompletedProcess:
+    """`python -m coopstudy ARGS` as a user runs it, in the test's store (`env`
+    over this process's; with `inherit=False`, `env` alone), from `cwd` (the
+    project unless a test starts it elsewhere); forked from a warm interpreter
+    where that is the same (tests/warm_cli.py)."""
+    full = {**os.environ, **(env or {})} if inherit else dict(env or {})
     done = _WARM.run(list(args), full, cwd, timeout)
     if done is not None:
         return done
@@ -103,16 +106,20 @@ class Store:
         return {"MLFLOW_TRACKING_URI": self.tracking_uri, "COOPSTUDY_HOME": str(self.home)}
 
     def copy(self, dst: Path) -> Store:
-        """An independent copy under `dst`: its train runs name the checkpoints
-        in its own home, as if trained there (a test may change them)."""
+        """A copy under `dst` whose train runs name the checkpoints in its own
+        home, as if trained there (a test may change them). The runs' artifacts
+        stay where the first store's runs logged them: shared, to be read."""
         copied = Store(dst / "home", dst / "mlflow.db", self.printed)
         shutil.copytree(self.home, copied.home)
         shutil.copy(self.db, copied.db)
         with contextlib.closing(sqlite3.connect(copied.db)) as db:
-            db.execute(
-                "update tags set value = replace(value, ?, ?) where key = ?",
-                (f"{self.home}/", f"{copied.home}/", schema.TAG_CHECKPOINT_PATH),
-            )
+            key = (schema.TAG_CHECKPOINT_PATH,)
+            (paths,) = db.execute("select count(*) from tags where key = ?", key).fetchone()
+            moved = db.execute(
+                "update tags set value = replace(value, ?, ?) where key = ? and value like ?",
+                (f"{self.home}/", f"{copied.home}/", *key, f"{self.home}/%"),
+            ).rowcount
+            assert moved == paths, f"{paths - moved} checkpoint paths of {self.db} lie outside {self.home}"
             db.commit()
         return copied
 
@@ -236,17 +243,23 @@ def prepared_tiny(prepared_tiny_store, tmp_path, monkeypatch) -> Store:
     return prepared_tiny_store.copy(tmp_path).use(monkeypatch)
 
 
+def _made_after(tmp_path_factory: pytest.TempPathFactory, name: str, base: Store, *commands: tuple[str, ...]) -> Store:
+    """A copy of `base` after `python -m coopstudy COMMAND --preset tiny` of each command, made once per session."""
+
+    def make(store: Store) -> subprocess.CompletedProcess:
+        base.copy(store.home.parent)
+        for command in commands:
+            done = run_cli(command[0], "--preset", "tiny", *command[1:], env=store.env())
+            assert done.returncode == 0, (command, done.stderr[-3000:])
+        return done
+
+    return _made_store(tmp_path_factory, name, make)
+
+
 @pytest.fixture(scope="session")
 def verified_tiny_store(prepared_tiny_store, tmp_path_factory) -> Store:
     """The prepared tiny store, verified: `python -m coopstudy verify --preset tiny`."""
-
-    def make(store: Store) -> subprocess.CompletedProcess:
-        prepared_tiny_store.copy(store.home.parent)
-        verified = run_cli("verify", "--preset", "tiny", env=store.env())
-        assert verified.returncode == 0, verified.stderr[-3000:]
-        return verified
-
-    return _made_store(tmp_path_factory, "verified-tiny", make)
+    return _made_after(tmp_path_factory, "verified-tiny", prepared_tiny_store, ("verify",))
 
 
 @pytest.fixture
@@ -258,14 +271,7 @@ def verified_tiny(verified_tiny_store, tmp_path, monkeypatch) -> Store:
 @pytest.fixture(scope="session")
 def probed_tiny_store(verified_tiny_store, tmp_path_factory) -> Store:
     """The verified tiny store, probed with the preset's grid."""
-
-    def make(store: Store) -> subprocess.CompletedProcess:
-        verified_tiny_store.copy(store.home.parent)
-        probed = run_cli("probe", "--preset", "tiny", env=store.env())
-        assert probed.returncode == 0, probed.stderr[-3000:]
-        return probed
-
-    return _made_store(tmp_path_factory, "probed-tiny", make)
+    return _made_after(tmp_path_factory, "probed-tiny", verified_tiny_store, ("probe",))
 
 
 @pytest.fixture
@@ -281,15 +287,12 @@ LONG = 1000
 @pytest.fixture(scope="session")
 def planned_tiny_store(probed_tiny_store, tmp_path_factory) -> Store:
     """The probed tiny store, planned; and a LONG config prepared and planned."""
+    long = ("--set", f"train.updates={LONG}")
+    return _made_after(tmp_path_factory, "planned-tiny", probed_tiny_store, ("plan",), ("prepare", *long), ("plan", *long))
 
-    def make(store: Store) -> subprocess.CompletedProcess:
-        probed_tiny_store.copy(store.home.parent)
-        for args in (("plan",), ("prepare", "--set", f"train.updates={LONG}"), ("plan", "--set", f"train.updates={LONG}")):
-            done = run_cli(args[0], "--preset", "tiny", *args[1:], env=store.env())
-            assert done.returncode == 0, (args, done.stderr[-3000:])
-        return done
 
-    return _made_store(tmp_path_factory, "planned-tiny", make)
+PROJECT_RUN_TAG = "test.project_run"
+"""On the run trained_tiny_store made as `mlflow run` makes its own, before the stage took it over."""
 
 
 @pytest.fixture(scope="session")
@@ -305,7 +308,7 @@ def trained_tiny_store(planned_tiny_store, tmp_path_factory) -> Store:
         planned_tiny_store.copy(store.home.parent)
         client = mlflow.MlflowClient(store.tracking_uri)
         experiment = client.get_experiment_by_name("coopstudy").experiment_id
-        project = client.create_run(experiment).info.run_id
+        project = client.create_run(experiment, tags={PROJECT_RUN_TAG: "1"}).info.run_id
         done = subprocess.run(
             ["/bin/sh", "-c", '"$0" -m coopstudy train --preset tiny --arm both; exit $?', sys.executable],
             cwd=ROOT, env={**os.environ, **store.env(), "MLFLOW_RUN_ID": project, "MLFLOW_EXPERIMENT_ID": experiment},

@@ -174,8 +174,8 @@ class Tampered:
     """What to run (or do), as the line must say it."""
     env: dict[str, str] = field(default_factory=dict)
     restore: Callable[[], None] | None = None
-    """Puts back what the case changed outside its copy (a checkpoint: runs
-    record it by absolute path, so every copy of a store names the same one)."""
+    """Puts back what the case changed outside its copy (a selected checkpoint:
+    the ledger names it by absolute path, so every copy of a store names the same one)."""
 
 
 def _flip_shared(path: Path) -> Callable[[], None]:

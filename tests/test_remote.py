@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from fixtures import ROOT, checkout_copy
+from fixtures import ROOT, checkout_copy, run_cli
 from mlflow.entities import ViewType
 
 from coopstudy import config, workspace
@@ -46,7 +46,8 @@ def _remote_env(remote_file: Path, home: Path, **extra: str) -> dict[str, str]:
 
 
 def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coopstudy", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # The user's environment, whole: this process's store is not theirs.
+    return run_cli(*args, env=env, timeout=timeout, inherit=False)
 
 
 @dataclass(frozen=True)
@@ -257,10 +258,7 @@ def test_records_of_an_unreachable_server_are_reported_then_delivered(server, tm
     assert f"python -m coopstudy remote deliver {run_id}" in err
     assert outbox.is_file()
 
-    done = subprocess.run(
-        [sys.executable, "-m", "coopstudy", "remote", "deliver", "--tracking-uri", server.uri],
-        cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=120,
-    )
+    done = run_cli("remote", "deliver", "--tracking-uri", server.uri, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     run = client.get_run(run_id)
     assert sorted(m.step for m in client.get_metric_history(run_id, schema.M_LOSS)) == [1, 2, 3, 4, 5]
@@ -286,8 +284,7 @@ def test_a_stage_whose_server_stops_answering_ends_in_one_line_and_its_end_waits
         f"what it could not record waits in {waiting} (`python -m coopstudy remote deliver` sends it)"
     )
     assert (waiting / f"{rec.run_id}.jsonl").is_file()
-    done = subprocess.run([sys.executable, "-m", "coopstudy", "remote", "deliver", rec.run_id], cwd=ROOT, env={**os.environ},
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = run_cli("remote", "deliver", rec.run_id, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     run = server.client().get_run(rec.run_id)
     assert run.info.status == "FAILED"

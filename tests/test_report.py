@@ -5,10 +5,13 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlflow
@@ -197,51 +200,79 @@ def _report_runs() -> list:
     return store.search_runs("coopstudy", f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_REPORT}'")
 
 
+def _files(folder: Path) -> dict[Path, tuple[int, bytes]]:
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+def _interrupt_on(patched: pytest.MonkeyPatch, name: str, when: Callable[[Path], bool]) -> None:
+    """Ctrl-C at the first call of report's `name` whose path `when` picks (its first argument)."""
+    real = getattr(report_step, name)
+
+    def interrupted(path: Path, *args):
+        if when(path):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(path, *args)
+
+    patched.setattr(report_step, name, interrupted)
+
+
 @pytest.mark.parametrize("cut", ["full disk", "Ctrl-C"])
-def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, small_disk, cut):
+def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, tmp_path, request, cut):
     make_study(tiny)
-    out = small_disk / "report"
+    out = (request.getfixturevalue("small_disk") if cut == "full disk" else tmp_path) / "report"
     rc, _, err = _report(capsys, "--out", str(out))
     assert rc == 0, err
-    last = {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    (out / schema.ART_FIGURES / "mine.png").write_bytes(b"a figure of the user's own")
+    last = _files(out)
     patched = pytest.MonkeyPatch()
     if cut == "full disk":
         # Room for the small files of a report again, not for its page of figures.
         room = sum(-(-(out / name).stat().st_size // 4096) for name in (schema.ART_REPORT_JSON, schema.ART_REPORT_MD)) + 1
         assert (out / schema.ART_REPORT_HTML).stat().st_size > (room + 2) * 4096
-        fill_disk(small_disk, leave_pages=room)
+        fill_disk(out.parent, leave_pages=room)
         said = "No space left on device"
     else:
-        # Ctrl-C as the figures are written, the last of a report's files.
-        write = report_step._write_synced
-
-        def interrupted(path: Path, data: bytes) -> None:
-            if path.suffix == ".png":
-                raise KeyboardInterrupt
-            write(path, data)
-
-        patched.setattr(report_step, "_write_synced", interrupted)
+        _interrupt_on(patched, "_write_synced", lambda path: path.suffix == ".png")  # as the figures are written
         said = "coopstudy report: interrupted"
     try:
         rc, _, err = _report(capsys, "--out", str(out))
     finally:
         patched.undo()
     assert rc == (2 if cut == "full disk" else 130) and said in err and "Traceback" not in err, err
-    assert {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == last
+    assert _files(out) == last
     assert sorted(p.name for p in out.iterdir()) == sorted({p.parts[0] for p in last})  # nothing half-written beside it
-    (small_disk / "filler").unlink(missing_ok=True)
+    (out.parent / "filler").unlink(missing_ok=True)
     rc, _, err = _report(capsys, "--out", str(out))
     assert rc == 0, err
-    assert all((out / name).stat().st_mtime_ns > mtime for name, (mtime, _) in last.items() if name.name != report_step.WRITING_LOCK)
+    now = _files(out)
+    assert now[Path(schema.ART_FIGURES, "mine.png")] == last[Path(schema.ART_FIGURES, "mine.png")]
+    assert all(now[name][0] > mtime for name, (mtime, _) in last.items() if name.name not in (report_step.WRITING_LOCK, "mine.png"))
+
+
+def test_a_stop_as_a_report_is_moved_in_waits_until_all_of_it_is(capsys, tiny, tmp_path):
+    make_study(tiny)
+    out = tmp_path / "report"
+    rc, _, err = _report(capsys, "--out", str(out))
+    assert rc == 0, err
+    last = _files(out)
+    with pytest.MonkeyPatch.context() as patched:
+        _interrupt_on(patched, "_move", lambda path: path.name == schema.ART_REPORT_JSON)  # the first file moved in
+        rc, _, err = _report(capsys, "--out", str(out))
+    assert rc == 130 and "coopstudy report: interrupted" in err, err
+    now = _files(out)
+    assert now.keys() == last.keys() and not (out / report_step.WRITING).exists()
+    assert all(now[name][0] > mtime for name, (mtime, _) in last.items() if name.name != report_step.WRITING_LOCK)
 
 
 def test_a_second_report_into_a_folder_waits_for_the_first(tmp_path):
-    import fcntl
     import threading
 
-    with open(tmp_path / report_step.WRITING_LOCK, "a") as first:
-        fcntl.flock(first, fcntl.LOCK_EX)  # as a report writing this folder holds it
-        second = threading.Thread(target=report_step._write_whole, args=(tmp_path, {schema.ART_REPORT_JSON: "{}"}, {"a.png": b"png"}))
+    def second_report() -> None:
+        with report_step._folder_held(tmp_path):
+            report_step._write_whole(tmp_path, {schema.ART_REPORT_JSON: "{}"}, {"a.png": b"png"})
+
+    with report_step._folder_held(tmp_path):  # as a report writing this folder holds it
+        second = threading.Thread(target=second_report)
         second.start()
         second.join(timeout=1.0)
         assert second.is_alive() and not (tmp_path / report_step.WRITING).exists()

@@ -369,11 +369,13 @@ def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivere
     assert (ended.data.tags.get(schema.TAG_ERROR) == "nothing to select") == failing
 
 
-def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered():
+def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered(capsys):
     # The end is the one write no later run takes over: the run stayed RUNNING
     # for good (a selection committed under it, select then refused to run again).
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+
+    from coopstudy import cli
 
     def locked(self, run_id, status=None, end_time=None):
         # As MLflow says it once SQLite's 20-s wait for another process's lock is over.
@@ -382,17 +384,18 @@ def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_del
         except sqlite3.OperationalError as err:
             raise MlflowException("(sqlite3.OperationalError) database is locked") from err
 
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(MlflowException) as raised:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(MlflowClient, "set_terminated", locked)
-        with writer.stage_run("select", config.load("tiny")) as rec:
-            pass
-    assert store.on_locked(raised.value)
-    assert writer.ends_kept()[-1] == rec.run_id
-    client = store.client()
-    assert client.get_run(rec.run_id).info.status == "RUNNING"
-    done = run_cli("remote", "deliver", rec.run_id)
+        code = cli.main(["select", "--preset", "tiny"])  # refused (nothing trained), in a run of its own
+    (run,) = store.search_runs("coopstudy", "attributes.run_name = 'select-tiny'")
+    said = (f"coopstudy select: error: {store.locked_said()}; run it again once that process is done "
+            f"(run {run.info.run_id} stays RUNNING until `python -m coopstudy remote deliver` ends it)")  # fmt: skip
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [said])
+    assert run.info.status == "RUNNING"
+    done = run_cli("remote", "deliver", run.info.run_id)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert client.get_run(rec.run_id).info.status == "FINISHED"
+    ended = store.client().get_run(run.info.run_id)
+    assert ended.info.status == "FAILED" and ended.data.tags[schema.TAG_ERROR].startswith("no plan commitment for ")
 
 
 def test_a_pointer_that_cannot_be_written_fails_the_stages_run_not_leaves_it_running(monkeypatch, tmp_path):

@@ -41,9 +41,9 @@ PRELOAD = (
     "torch", "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "reasoning_gym",
 )  # fmt: skip
 # Read when an interpreter starts or a library loads, so the server's values
-# hold in its children. Not torch's own: those a test's process holds are read
-# when CUDA or the compiler is used (deepspeed, once a test imports it, sets
-# TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK there).
+# hold in its children. Not torch's own: no test sets one, and the two a test's
+# process comes to hold are read when CUDA or the compiler is used (deepspeed,
+# once a test imports it, sets TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK).
 _AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_", "TCMALLOC", "OMP_", "MKL_", "KMP_", "HF_", "TRANSFORMERS_")
 
 

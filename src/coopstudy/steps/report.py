@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import fcntl
 import os
 import re
 import shutil
 import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,41 +150,66 @@ def _make_folder(folder: Path) -> None:
         raise UserError(f"report folder {folder}: cannot make it ({err.strerror})") from None
 
 
+@contextlib.contextmanager
+def _folder_held(folder: Path) -> Iterator[None]:
+    """The report folder, written by one report at a time."""
+    with open(folder / WRITING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _write_whole(folder: Path, files: dict[str, str], images: dict[str, bytes]) -> None:
     """This report's files and figures in `folder`, or, where writing them is cut
     short (a full disk, a stop), the last report's as they were: never the
-    JSON of one report beside the HTML of another."""
+    JSON of one report beside the HTML of another. Other files in the folder
+    (and in its figures/) are left alone."""
     writing = folder / WRITING
-    with open(folder / WRITING_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        shutil.rmtree(writing, ignore_errors=True)  # left by a report killed as it wrote
-        try:
-            (writing / schema.ART_FIGURES).mkdir(parents=True)
-            for name, text in files.items():
-                _write_synced(writing / name, text.encode())
-            for name, png in images.items():
-                _write_synced(writing / schema.ART_FIGURES / name, png)
-        except BaseException:
-            shutil.rmtree(writing, ignore_errors=True)
-            raise
-        # Renames take no room, so a full disk cannot stop them halfway; a stop
-        # signal waits until they are done.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-        try:
+    shutil.rmtree(writing, ignore_errors=True)  # left by a report killed as it wrote
+    try:
+        (writing / schema.ART_FIGURES).mkdir(parents=True)
+        for name, text in files.items():
+            _write_synced(writing / name, text.encode())
+        for name, png in images.items():
+            _write_synced(writing / schema.ART_FIGURES / name, png)
+        (folder / schema.ART_FIGURES).mkdir(exist_ok=True)  # a file in the way is said before anything moves
+        # Renames take no room, so a full disk cannot stop them halfway; a stop waits for them.
+        with _stops_held():
             for name in files:
-                os.replace(writing / name, folder / name)
-            if (folder / schema.ART_FIGURES).is_dir():
-                (folder / schema.ART_FIGURES).rename(writing / "last")  # the last report's, whose titles may differ
-            (writing / schema.ART_FIGURES).rename(folder / schema.ART_FIGURES)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        shutil.rmtree(writing)
+                _move(writing / name, folder / name)
+            for name in images:
+                _move(writing / schema.ART_FIGURES / name, folder / schema.ART_FIGURES / name)
+    finally:
+        shutil.rmtree(writing, ignore_errors=True)
 
 
 def _write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as fh:
         fh.write(data)
         os.fsync(fh.fileno())  # whole on disk before its name says it is
+
+
+def _move(src: Path, dst: Path) -> None:
+    os.replace(src, dst)
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) that comes inside acts once the
+    block is done, as it would have. Handlers, not a signal mask: a mask holds
+    only the thread that sets it, and the kernel may hand the signal to another."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; signals reach it alone
+        return
+    came: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in stops if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
@@ -228,10 +256,13 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         }
         # The figures as images of the run too, not only inside the HTML.
         images = {f"{_slug(title)}.png": base64.b64decode(png) for title, png in plots.items()}
-        _write_whole(folder, files, images)
-        for name in files:
-            rec.log_artifact(folder / name)
-        rec.log_artifact(folder / schema.ART_FIGURES, schema.ART_FIGURES)
+        with _folder_held(folder):
+            _write_whole(folder, files, images)
+            # Still held: what the run keeps is what this report wrote.
+            for name in files:
+                rec.log_artifact(folder / name)
+            for name in images:
+                rec.log_artifact(folder / schema.ART_FIGURES / name, schema.ART_FIGURES)
         # What the run page shows first: the report itself.
         rec.set_tags({writer.NOTE_TAG: _note(markdown)})
         rec.log_metrics(_key_metrics(screens))
