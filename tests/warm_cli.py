@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What a refusal imports before it speaks (an open store included), then the
 # libraries a command that does work imports (torch and transformers' model
-# code alone take 5-7 s of a prepare, verify or evaluate). Only libraries: a
-# test may change the project's sources, never theirs.
+# code alone take 5-7 s of a prepare, verify or evaluate). No more of the
+# project's own modules than the CLI's: a test may change the project's
+# sources, never a library's.
 PRELOAD = (
     "coopstudy.cli", "coopstudy.config", "mlflow", "mlflow.store.tracking.sqlalchemy_store",
     "torch", "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "reasoning_gym",
