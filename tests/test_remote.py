@@ -54,6 +54,8 @@ def _coopstudy(*args: str, env: dict[str, str], timeout: float = 600) -> subproc
 class Study:
     project: Path
     """The copy of the project the study ran in."""
+    printed: subprocess.CompletedProcess
+    """What `mlflow run . -e main` printed."""
 
     @property
     def home(self) -> Path:
@@ -78,7 +80,7 @@ def study(server, tiny_seed_home, tmp_path_factory) -> Study:
     done = subprocess.run(["mlflow", "run", ".", "-e", "main", "--env-manager", "local", "-P", "preset=tiny"],
                           cwd=project, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
-    return Study(project)
+    return Study(project, done)
 
 
 @pytest.fixture
@@ -126,6 +128,8 @@ def test_mlflow_run_leaves_only_a_pointer_in_the_local_store(server, study):
     (parent,) = [r for r in runs if r.data.tags[schema.TAG_STAGE] == "study"]
     steps = {r.data.tags[schema.TAG_STAGE] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert steps == {"prepare", "verify", "probe", "plan", "train", "select", "evaluate", "report"}, steps
+    # The study runs the plan itself: probe does not tell the user to.
+    assert "study: probe: running" in study.printed.stdout and "next: `" not in study.printed.stdout
     # What `mlflow run` opened in its own default store names the study's run on the server, nothing more.
     local = mlflow.MlflowClient(tracking_uri=f"sqlite:///{study.project / 'mlflow.db'}")
     pointers = [r for e in local.search_experiments() for r in local.search_runs([e.experiment_id])]

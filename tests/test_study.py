@@ -1,12 +1,14 @@
 """The whole study on `tiny`, as a user runs it, in a copy of the checkout:
-`mlflow run . -e train` on a fresh store runs the steps train needs first,
-`study` finishes the rest, a second `study` reuses every step, touching a
-numerical source reruns verify and what follows it, and `report` alone
-rebuilds the same report.json from the tracking store. Prepare from scratch
-(the seed made again) and both arms trained again under a plan committed
-again agree with the first study to the byte. (No test runs a whole `study`
-on an empty store: `mlflow run -e train` then `study` covers the steps, and
-the prepare from scratch the seed's making and its quiet output.)"""
+on a store where prepare, verify and probe were run by hand, `mlflow run .
+-e train` reuses them and runs the rest of what train needs, `study`
+finishes the rest, a second `study` reuses every step, touching a numerical
+source reruns verify and what follows it, and `report` alone rebuilds the
+same report.json from the tracking store. Prepare from scratch (the seed made
+again) and both arms trained again under a plan committed again agree with
+the first study to the byte. (The front door on an empty store, every step
+run by `mlflow run . -e main`, is tests/test_remote.py's study; the steps
+before the plan are the session's probed store here, made once for the
+suite.)"""
 
 from __future__ import annotations
 
@@ -66,11 +68,10 @@ def _steps(out: str, verb: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def copy(tmp_path_factory, tiny_seed_home) -> Copy:
+def copy(tmp_path_factory, probed_tiny_store) -> Copy:
     base = tmp_path_factory.mktemp("study")
     root = checkout_copy(tmp_path_factory.mktemp("checkout"))
-    # The tiny seed is made once per session; a fresh clone would make it in prepare.
-    shutil.copytree(tiny_seed_home, base / "home")
+    probed_tiny_store.copy(base)
     return Copy(root, base)
 
 
@@ -111,8 +112,8 @@ def first(copy) -> First:
 
 def test_train_entry_point_runs_what_train_needs_first(first, copy):
     out = first.train.stdout
-    assert _steps(out, "running") == ["prepare", "verify", "probe", "plan", "train-control", "train-compressed"]
-    assert "next: `" not in out  # the study runs the plan itself; probe does not tell the user to
+    assert _steps(out, "reused") == ["prepare", "verify", "probe"]
+    assert _steps(out, "running") == ["plan", "train-control", "train-compressed"]
     arms = {r.data.tags[schema.TAG_ARM]: r for r in copy.runs("train")}
     assert set(arms) == {"control", "compressed"}
     assert all(r.info.status == "FINISHED" for r in arms.values())
@@ -353,7 +354,7 @@ def test_the_study_in_a_real_browser(first, copy, tmp_path):
             # The study's parent holds its steps.
             page.goto(f"{server.uri}/#/experiments/{exp}/runs/{parent.info.run_id}?workflowType=machine_learning")
             page.get_by_text("Child runs", exact=True).wait_for()
-            for step in ("prepare-tiny", "verify-tiny", "plan-tiny", "train-control-tiny", "train-compressed-tiny"):
+            for step in ("plan-tiny", "train-control-tiny", "train-compressed-tiny"):
                 link(step).wait_for()
             # Both arms side by side, with their loss curves.
             runs = urllib.parse.quote(json.dumps([arms["control"].info.run_id, arms["compressed"].info.run_id]))
