@@ -195,12 +195,37 @@ def test_a_command_forked_warm_says_what_a_fresh_one_says(cli, tiny_seed, tmp_pa
     assert elsewhere.returncode == 2 and (tmp_path / "other.db").is_file(), elsewhere.stderr[-3000:]
 
 
+def test_a_command_forked_warm_in_a_copy_of_the_checkout_runs_the_copys_sources(cli, tmp_path):
+    # A copy's commands fork warm too (test_study's copy edits its sources):
+    # the child imports the project from where a fresh interpreter would.
+    from fixtures import _WARM
+
+    copy = checkout_copy(tmp_path / "copy")
+    cli_py = copy / "src" / "coopstudy" / "cli.py"
+    cli_py.write_text(cli_py.read_text() + "\nprint('the copy speaks')\n")
+    env = {**os.environ, "PYTHONPATH": f"{copy / 'src'}{os.pathsep}{copy}"}
+    for cwd, argv in ((copy, ("prepare", "--preset", "nosuch")), (copy / "scripts", ("--version",))):
+        served = _WARM.served
+        warm = cli(*argv, env=env, cwd=cwd, inherit=False)
+        assert _WARM.served == served + 1, argv  # not run fresh instead
+        fresh = subprocess.run([sys.executable, "-m", "coopstudy", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), argv
+        assert warm.stdout.startswith("the copy speaks\n"), warm.stdout
+    # A folder on the path whose hook a fresh interpreter runs as it starts: no fork can stand for it.
+    hooked = tmp_path / "hooked"
+    hooked.mkdir()
+    (hooked / "sitecustomize.py").write_text("print('hooked')\n")
+    served = _WARM.served
+    done = cli("--version", env={**env, "PYTHONPATH": f"{hooked}{os.pathsep}{env['PYTHONPATH']}"}, cwd=copy, inherit=False)
+    assert _WARM.served == served and done.stdout.startswith("hooked\n"), done.stdout
+
+
 def test_two_projects_sharing_one_environment_keep_their_own_study_files(project, tmp_path, tiny_seed_home):
     other = Project(checkout_copy(tmp_path / "other"), tiny_seed_home)
     # The other copy runs this copy's package: one environment, two projects.
     other.env["PYTHONPATH"] = project.env["PYTHONPATH"]
     for p in (project, other):
-        done = p.run(sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny")
+        done = run_cli("prepare", "--preset", "tiny", env=p.env, cwd=p.root, inherit=False)
         assert done.returncode == 0, done.stderr[-3000:]
     for p in (project, other):
         ledger = (p.root / ".coopstudy" / "ledger.jsonl").read_text().splitlines()
@@ -211,8 +236,7 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
     db = tmp_path / "store" / "m.db"
     started_in = project.root / "scripts"
     env = project.env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
-    done = subprocess.run([sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny"], cwd=started_in, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = run_cli("prepare", "--preset", "tiny", env=env, cwd=started_in, inherit=False)
     assert done.returncode == 0, done.stderr[-3000:]
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
     exp = client.get_experiment_by_name("coopstudy")

@@ -53,7 +53,7 @@ class Copy:
         return subprocess.run(argv, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def coopstudy(self, *args: str) -> subprocess.CompletedProcess:
-        return self.run(sys.executable, "-m", "coopstudy", *args)
+        return run_cli(*args, env=self.env, cwd=self.root, timeout=900, inherit=False)
 
     def runs(self, stage: str) -> list:
         client = mlflow.MlflowClient(tracking_uri=self.env["MLFLOW_TRACKING_URI"])

@@ -8,12 +8,19 @@ environment and folder it is given, its output in files, exit handlers and
 exit code its own). It is still a process of its own, so its exit code,
 stderr and what it leaves behind are what a user sees.
 
-Only where that holds: the command starts in the project (the imported
-sources are the project's), the interpreter's own variables (PYTHON*, the
-loader's and malloc's) are the server's, no other command of this worker is
-in flight, and the server imported silently, with no thread of Python's
-running (a fork copies only the one that forks). Anything else runs fresh, and COOPSTUDY_TEST_FRESH=1 runs every
-command fresh (tests/test_front_door.py checks that both ways say the same).
+Only where that holds: the interpreter's own variables (PYTHON*, the
+loader's and malloc's) are the server's, PYTHONPATH aside; no other command
+of this worker is in flight; and the server imported silently, with no
+thread of Python's running (a fork copies only the one that forks). A
+command started in another folder or with another PYTHONPATH (a copy of the
+checkout, say, whose sources a test edits) takes the sys.path a fresh
+interpreter would have there, asked of one once per folder and PYTHONPATH;
+the project's modules the server loaded are dropped first, so the child
+imports them from wherever that path finds them. Where a folder that path
+adds holds a startup hook (sitecustomize, usercustomize) or a module of a
+name the server has loaded, the command runs fresh. Anything else runs
+fresh, and COOPSTUDY_TEST_FRESH=1 runs every command fresh
+(tests/test_front_door.py checks that both ways say the same).
 """
 
 from __future__ import annotations
@@ -46,10 +53,22 @@ PRELOAD = (
 # process comes to hold are read when CUDA or the compiler is used (deepspeed,
 # once a test imports it, sets TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK).
 _AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_", "TCMALLOC", "OMP_", "MKL_", "KMP_", "HF_", "TRANSFORMERS_")
+OWN = ("coopstudy", "analysis")
+"""The project's top-level packages: a child whose sys.path is another imports them again."""
+_HOOKS = ("sitecustomize", "usercustomize")
 
 
 def _at_start(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_AT_START)}
+    return {k: v for k, v in env.items() if k.startswith(_AT_START) and k != "PYTHONPATH"}
+
+
+def _provides(folder: str) -> set[str]:
+    """The top-level module names a sys.path entry makes importable."""
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return set()
+    return {n.split(".")[0] for n in names if n.endswith((".py", ".so", ".pyc")) or os.path.isdir(os.path.join(folder, n))}
 
 
 class Server:
@@ -62,6 +81,12 @@ class Server:
         self._pending = b""
         """Bytes read from the server past the last reply line."""
         self._usable = True
+        self._loaded: set[str] = set()
+        """Top-level modules the server imported."""
+        self._path: list[str] = []
+        """The server's sys.path."""
+        self._paths: dict[tuple[str, str | None], list[str] | None] = {}
+        """sys.path of `python -m` per folder and PYTHONPATH; None where a command there must run fresh."""
         self.served = 0
         """Commands it ran."""
 
@@ -78,27 +103,53 @@ class Server:
         if not (ready and ready.get("ready")):
             self._proc.wait()
             self._usable = False
+        else:
+            self._loaded, self._path = set(ready["loaded"]), ready["path"]
         return self._usable
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
         """What the command did, or None where it must run fresh."""
-        if os.environ.get("COOPSTUDY_TEST_FRESH") or not self._usable or Path(cwd).resolve() != ROOT:
+        if os.environ.get("COOPSTUDY_TEST_FRESH") or not self._usable:
             return None
         if self._proc is None and not self._start():
             return None
-        if _at_start(env) != _at_start(self._env) or not self._busy.acquire(blocking=False):
+        if _at_start(env) != _at_start(self._env):
+            return None
+        cwd = Path(cwd).resolve()
+        path = self._fresh_path(env, cwd)
+        if path is None or not self._busy.acquire(blocking=False):
             return None
         try:
             self.served += 1
-            return self._run(argv, env, timeout)
+            return self._run(argv, env, cwd, path, timeout)
         finally:
             self._busy.release()
 
-    def _run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def _fresh_path(self, env: dict[str, str], cwd: Path) -> list[str] | None:
+        """The sys.path `python -m` started in `cwd` under `env` has, or None
+        where a fork could not stand for it (see the module docstring)."""
+        key = (str(cwd), env.get("PYTHONPATH"))
+        if key not in self._paths:
+            asked = subprocess.run(
+                [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            try:  # its last line: a startup hook may print before it
+                path = [str(cwd), *json.loads(asked.stdout.splitlines()[-1])] if asked.returncode == 0 else None
+            except (IndexError, ValueError):
+                path = None
+            added = [] if path is None else [p for p in path if p not in self._path]
+            if any(_provides(p) & ((self._loaded - set(OWN)) | set(_HOOKS)) for p in added):
+                path = None
+            self._paths[key] = path
+        return self._paths[key]
+
+    def _run(self, argv: list[str], env: dict[str, str], cwd: Path, path: list[str], timeout: float) -> subprocess.CompletedProcess:
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         with tempfile.TemporaryDirectory(prefix="coopstudy-warm-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
+            request = {"argv": argv, "env": env, "cwd": str(cwd), "path": path, "own": path != self._path,
+                       "stdout": str(out), "stderr": str(err)}  # fmt: skip
             message = memoryview((json.dumps(request) + "\n").encode())
             while message:
                 message = message[os.write(self._proc.stdin.fileno(), message) :]
@@ -161,7 +212,7 @@ def _serve() -> dict | None:
     ready = silent and threading.active_count() == 1
     # Out of the collections a command's exit makes: a fresh process holds none of it unless it imports it.
     gc.freeze()
-    _reply({"ready": ready})
+    _reply({"ready": ready, "loaded": sorted({m.split(".")[0] for m in sys.modules}), "path": sys.path})
     if not ready:
         return None
     for line in sys.stdin:
@@ -194,7 +245,10 @@ def _become(request: dict) -> None:
         os.dup2(target, fd)
         os.close(target)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, for its whole life
-    sys.path[0] = request["cwd"]
+    if request["own"]:
+        for name in [m for m in sys.modules if m.split(".")[0] in OWN]:
+            del sys.modules[name]
+    sys.path[:] = request["path"]
     sys.argv = ["-m", *request["argv"]]
     runpy.run_module("coopstudy", run_name="__main__", alter_sys=True)
 
