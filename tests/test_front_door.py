@@ -287,7 +287,7 @@ def test_a_typo_by_hand_under_a_leftover_mlflow_run_id_is_told_as_the_cli_flag_a
     project.mlflow_run("prepare", "-P", "preset=tiny")
     (old,) = _runs(project.local, "Default")
     project.env |= {"MLFLOW_RUN_ID": old.info.run_id, "MLFLOW_TRACKING_URI": f"sqlite:///{project.root / 'mlflow.db'}"}
-    done = project.run(sys.executable, "-m", "coopstudy", "prepare", "--preset", "tiny", "--nosuch", "1")
+    done = run_cli("prepare", "--preset", "tiny", "--nosuch", "1", env=project.env, cwd=project.root, inherit=False)
     assert done.returncode == 2
     assert done.stderr.strip() == "coopstudy prepare: error: unrecognized arguments: --nosuch 1 (see `python -m coopstudy prepare --help`)"
     again = project.local.get_run(old.info.run_id)
