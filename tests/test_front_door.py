@@ -195,6 +195,7 @@ def test_a_command_forked_warm_says_what_a_fresh_one_says(cli, tiny_seed, tmp_pa
     assert elsewhere.returncode == 2 and (tmp_path / "other.db").is_file(), elsewhere.stderr[-3000:]
 
 
+@pytest.mark.skipif(bool(os.environ.get("COOPSTUDY_TEST_FRESH")), reason="every command runs fresh")
 def test_a_command_forked_warm_in_a_copy_of_the_checkout_runs_the_copys_sources(cli, tmp_path):
     # A copy's commands fork warm too (test_study's copy edits its sources):
     # the child imports the project from where a fresh interpreter would.

@@ -16,9 +16,10 @@ command started in another folder or with another PYTHONPATH (a copy of the
 checkout, say, whose sources a test edits) takes the sys.path a fresh
 interpreter would have there, asked of one once per folder and PYTHONPATH;
 the project's modules the server loaded are dropped first, so the child
-imports them from wherever that path finds them. Where a folder that path
-adds holds a startup hook (sitecustomize, usercustomize) or a module of a
-name the server has loaded, the command runs fresh. Anything else runs
+imports them from wherever that path finds them. Where an entry that path
+adds is no folder (a zip), or holds a startup hook (sitecustomize,
+usercustomize) or a module of a name the server has loaded, the command
+runs fresh. Anything else runs
 fresh, and COOPSTUDY_TEST_FRESH=1 runs every command fresh
 (tests/test_front_door.py checks that both ways say the same).
 """
@@ -62,12 +63,16 @@ def _at_start(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_AT_START) and k != "PYTHONPATH"}
 
 
-def _provides(folder: str) -> set[str]:
-    """The top-level module names a sys.path entry makes importable."""
+def _provides(folder: str) -> set[str] | None:
+    """The top-level module names a sys.path entry makes importable: none for
+    one that does not exist; None for one that is no folder (a zip), whose
+    names this does not read."""
+    if not os.path.exists(folder or "."):
+        return set()
     try:
         names = os.listdir(folder or ".")
     except OSError:
-        return set()
+        return None
     return {n.split(".")[0] for n in names if n.endswith((".py", ".so", ".pyc")) or os.path.isdir(os.path.join(folder, n))}
 
 
@@ -86,7 +91,7 @@ class Server:
         self._path: list[str] = []
         """The server's sys.path."""
         self._paths: dict[tuple[str, str | None], list[str] | None] = {}
-        """sys.path of `python -m` per folder and PYTHONPATH; None where a command there must run fresh."""
+        """sys.path of `python -m` per folder and PYTHONPATH; None where no interpreter said it."""
         self.served = 0
         """Commands it ran."""
 
@@ -130,19 +135,27 @@ class Server:
         where a fork could not stand for it (see the module docstring)."""
         key = (str(cwd), env.get("PYTHONPATH"))
         if key not in self._paths:
-            asked = subprocess.run(
-                [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+            try:
+                asked = subprocess.run(
+                    [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                    cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+            except (subprocess.TimeoutExpired, OSError):
+                return None  # asked again next time
             try:  # its last line: a startup hook may print before it
-                path = [str(cwd), *json.loads(asked.stdout.splitlines()[-1])] if asked.returncode == 0 else None
+                self._paths[key] = [str(cwd), *json.loads(asked.stdout.splitlines()[-1])] if asked.returncode == 0 else None
             except (IndexError, ValueError):
-                path = None
-            added = [] if path is None else [p for p in path if p not in self._path]
-            if any(_provides(p) & ((self._loaded - set(OWN)) | set(_HOOKS)) for p in added):
-                path = None
-            self._paths[key] = path
-        return self._paths[key]
+                self._paths[key] = None
+        path = self._paths[key]
+        if path is None:
+            return None
+        # Read on every call: a test may put a hook or a module there after the first.
+        shadowed = (self._loaded - set(OWN)) | set(_HOOKS)
+        for entry in (p for p in path if p not in self._path):
+            names = _provides(entry)
+            if names is None or names & shadowed:
+                return None
+        return path
 
     def _run(self, argv: list[str], env: dict[str, str], cwd: Path, path: list[str], timeout: float) -> subprocess.CompletedProcess:
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
@@ -233,6 +246,7 @@ def _reply(message: dict) -> None:
 
 def _become(request: dict) -> None:
     """In the child: take the request's place, then run the CLI as `python -m coopstudy`."""
+    import importlib
     import runpy
 
     os.chdir(request["cwd"])
@@ -249,6 +263,7 @@ def _become(request: dict) -> None:
         for name in [m for m in sys.modules if m.split(".")[0] in OWN]:
             del sys.modules[name]
     sys.path[:] = request["path"]
+    importlib.invalidate_caches()
     sys.argv = ["-m", *request["argv"]]
     runpy.run_module("coopstudy", run_name="__main__", alter_sys=True)
 
