@@ -181,13 +181,35 @@ def test_a_chain_rewritten_whole_is_refused_naming_the_first_commitment_the_reco
     assert "\n" not in line
     assert f"line 1 (inputs key, {'f' * 12}) disagrees with the record: no run of the record committed {'f' * 12}" in line
     assert f"commit again: `python -m coopstudy prepare --preset {again}`" in line
-    # A prepare killed between its append and its run's tag leaves the same: said as one cause too.
-    assert "or the step that appended it was stopped before its run recorded it: restore it from a copy" in line
+
+
+@pytest.mark.parametrize("stopped_in", ["record_commitment", "extend"], ids=["tagging its run", "appending"])
+def test_a_plan_stopped_while_it_commits_leaves_nothing_that_refuses_the_next(probed_tiny, capsys, stopped_in):
+    """The run's tag first, then the ledger: stopped in between, plan runs
+    again. Before, the entry came first, and one whose run never took its tag
+    refused every step after it, plan itself included."""
+    from coopstudy import cli as cli_mod
+    from coopstudy.commit import plan
+    from coopstudy.record import writer
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    owner = writer.Recorder if stopped_in == "record_commitment" else Ledger
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, stopped_in, stop)
+        assert cli_mod.main(["plan", "--preset", "tiny"]) == 130
+    subject = plan.subject(config.load("tiny"))
+    assert Ledger().latest("plan", subject) is None
+    capsys.readouterr()
+    assert cli_mod.main(["plan", "--preset", "tiny"]) == 0, capsys.readouterr().err
+    assert " committed (ledger entry " in capsys.readouterr().out
+    Ledger().require("plan", subject, hint="-")
 
 
 def test_only_the_commitments_in_force_are_compared():
-    """An entry replaced by a newer one of the same subject (a step killed
-    before it could tag its run, then run again) is not the record's business."""
+    """An entry replaced by a newer one of the same subject (a ledger
+    restored from an older copy, then committed again) is not the record's business."""
     book = Ledger()
     book.append("gate", "numerical-sources", "a" * 64)  # its run never said so
     book.append("inputs", "key", "i" * 64)

@@ -123,10 +123,10 @@ def test_a_committed_file_whose_rewrite_is_cut_short_stays_as_it_was(planned, mo
     (kept, *_) = sorted(receipts.probe_dir(cfg).glob("*.json"))
     before, entries = kept.read_bytes(), len(ledger.Ledger().entries())
     again = json.loads(before) | {"run_id": "f" * 32}
-    with monkeypatch.context() as mp:
+    with writer.stage_run(schema.STAGE_PROBE, cfg, log_config=False) as rec, monkeypatch.context() as mp:
         mp.setattr(os, "fsync", no_space)
         with pytest.raises(OSError, match="No space left"):
-            receipts.keep_receipt(cfg, again)
+            receipts.keep_receipt(cfg, again, rec)
     assert kept.read_bytes() == before and len(ledger.Ledger().entries()) == entries
     assert sorted(p.name for p in kept.parent.iterdir() if p.name.startswith(".")) == []
 

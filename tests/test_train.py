@@ -327,6 +327,42 @@ def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, 
     assert schema.TAG_CHECKPOINT_PATH not in store.client().get_run(run.info.run_id).data.tags
 
 
+@pytest.mark.parametrize("upload", ["refused", "stopped"])
+def test_a_checkpoint_whose_upload_fails_goes_unless_the_upload_waits_for_it(monkeypatch, capsys, upload):
+    # Refused by the store: the run fails, and its checkpoint goes as for a failure
+    # during training. Stopped midway: the upload waits in the outbox, which needs the folder.
+    from mlflow.exceptions import MlflowException
+
+    saved = []
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *args: saved.append(save(*args)) or saved[-1])
+    apply = outbox.apply
+
+    def upload_fails(client, run_id, record):
+        if record["op"] != "artifact":
+            return apply(client, run_id, record)
+        if upload == "refused":
+            raise MlflowException("INVALID_PARAMETER_VALUE: the artifact store refused the upload")
+        worker._on_sigterm(signal.SIGTERM, None)
+
+    monkeypatch.setattr(outbox, "apply", upload_fails)
+    if upload == "refused":
+        with pytest.raises(MlflowException, match="the artifact store refused the upload"):
+            _worker_main("control")
+        (kept,) = saved
+        assert not kept.folder.exists() and not list(kept.folder.parent.glob(".tmp-*"))
+        return
+    run, code = _worker_main("control")
+    assert code == 128 + signal.SIGTERM, capsys.readouterr().err[-3000:]
+    (kept,) = saved
+    rec = writer.Recorder(run.info.run_id)
+    assert kept.folder.is_dir() and rec.waits_to_upload(kept.folder)
+    monkeypatch.setattr(outbox, "apply", apply)
+    outbox.deliver_all([run.info.run_id])
+    assert not rec.waits_to_upload(kept.folder)
+    assert store.client().list_artifacts(run.info.run_id, schema.ART_CHECKPOINT)
+
+
 def test_a_write_of_waiting_metrics_cut_short_keeps_the_rest_for_the_last_write():
     written = []
 
@@ -368,6 +404,39 @@ def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
             raise RefusedError("compressed arm failed") from err
     except RefusedError as wrapped:
         assert outbox.reason(wrapped) == "connection refused"
+
+
+def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(capsys):
+    # Rank 0 recorded its checkpoint and exited 0, then the server stopped answering
+    # before the stage read the run back. Before, the stage failed the finished arm.
+    import requests
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from coopstudy.steps import train
+
+    def unreachable(*args, **kwargs):
+        try:
+            raise requests.exceptions.ConnectionError("Max retries exceeded (Connection refused)")
+        except requests.exceptions.ConnectionError:
+            raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/get failed") from None
+
+    cfg = config.load("tiny", ["experiment=outage-as-the-ranks-exit"])
+    with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control") as rec, pytest.MonkeyPatch.context() as mp:
+
+        def ranks_finished(cmd, env, *, label, held=None):
+            rec.set_tags({schema.TAG_CHECKPOINT_SHA: "c" * 64, schema.TAG_CHECKPOINT_PATH: "rank 0's"})
+            mp.setattr(MlflowClient, "get_run", unreachable)
+            return launch.Exit(0, 1.5)
+
+        mp.setattr(launch, "run", ranks_finished)
+        train.train_arm(rec, cfg, "control", None)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "train control: finished, complete 1.5 s; the tracking server stopped answering (connection refused), so its "
+        "checkpoint is not read back here; the run ends FINISHED as soon as the server takes its records"
+    )
+    run = _client().get_run(rec.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_CHECKPOINT_SHA] == "c" * 64
 
 
 def test_a_stop_inside_the_comm_hooks_callback_is_told_as_the_stop(monkeypatch):

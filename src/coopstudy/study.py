@@ -258,7 +258,7 @@ def _planned_run(step: Step, checks: Checks, key: str) -> tuple[str | None, str 
     """A train step's reuse: the plan's run of the arm, or a refusal when its
     weights are lost, since train would not run the arm again under the plan."""
     try:
-        plan = checks.plan_in_force()
+        checks.plan_in_force()  # no plan in force: the arm has no run to reuse, said as why
     except UserError as err:
         return None, err.reason
     found = step.planned(checks)

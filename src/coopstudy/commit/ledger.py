@@ -27,7 +27,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -134,6 +134,23 @@ class Ledger:
             finally:
                 self._held = None
 
+    def commit(
+        self, rec: Any, kind: str, subject: str, digest: str, details: dict[str, Any], *, tags: Mapping[str, Any] | None = None
+    ) -> tuple[Entry, Entry | None]:
+        """Commit `digest` for (kind, subject) as a step does: on its run
+        `rec` first (the commitment's mirror and `tags`), then in the ledger,
+        unless the subject's newest entry holds it already. A step stopped
+        between the two leaves a tag no entry names, which nothing reads;
+        the other order left an entry without its mirror, which refuses every
+        step after it (check_record), plan and probe themselves included.
+        Returns the entry in force and the one it found (the same entry: already committed)."""
+        rec.record_commitment(kind, digest, tags)
+        with self.locked():
+            previous = self.latest(kind, subject)
+            if previous is not None and previous.digest == digest:
+                return previous, previous
+            return self.append(kind, subject, digest, details), previous
+
     def append(self, kind: str, subject: str, digest: str, details: dict[str, Any] | None = None) -> Entry:
         (entry,) = self.extend([(kind, subject, digest, details or {})])
         return entry
@@ -222,10 +239,9 @@ def _name(entry: Entry) -> str:
     return f"{entry.kind} {subject}, {entry.digest[:12]}"
 
 
-def _recommit(entry: Entry, *, unmirrored: bool = False) -> str:
-    """What to do about an entry the record contradicts (`unmirrored`: no run carries it)."""
-    stopped = ", or the step that appended it was stopped before its run recorded it" if unmirrored and entry.kind != CANDIDATE else ""
-    restore = f"the ledger was rewritten or comes from another record{stopped}: restore it from a copy"
+def _recommit(entry: Entry) -> str:
+    """What to do about an entry the record contradicts."""
+    restore = "the ledger was rewritten or comes from another record: restore it from a copy"
     if entry.kind == CANDIDATE:
         return f"{restore} (a selection is made once)"
     from coopstudy.config import preset_argument
@@ -289,8 +305,7 @@ class _Record:
             waiting = _waiting_in_outbox(entry.digest)
             if waiting:
                 return _still_waits("its run's", schema.TAG_COMMITMENT_PREFIX + entry.kind, waiting)
-            # Or the step appended it and was killed before its run took the tag: the ledger comes first.
-            return f"no run of the record committed {entry.digest[:12]}{held}; {_recommit(entry, unmirrored=True)}"
+            return f"no run of the record committed {entry.digest[:12]}{held}; {_recommit(entry)}"
         if entry.kind == GATE:
             return self._gate_receipt(entry)
         return None

@@ -23,7 +23,7 @@ from coopstudy.commit import budget, ledger, receipts, sources
 from coopstudy.config import ARMS, NO_CANDIDATES, TRAINING_ALLOCATOR, Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import data
-from coopstudy.record import schema, store
+from coopstudy.record import schema, store, writer
 
 METHODS = {
     "correct": "a test case is correct when its family's reasoning-gym verifier scores it 1.0",
@@ -164,18 +164,22 @@ class Committed:
     """False: the same plan was already the committed one."""
 
 
-def commit(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry) -> Committed:
+def commit(cfg: Config, prepared: data.Prepared, gate_entry: ledger.Entry, rec: writer.Recorder) -> Committed:
+    """Build the plan, write its file and commit it on plan run `rec` and in the ledger."""
     doc = build(cfg, prepared, gate_entry)
     sha = digest(doc)
     path = workspace.subdir("plans") / f"{sha}.json"
     # Named by its digest: a plan committed again finds its file as written.
     workspace.write_text(path, json.dumps(doc, indent=2, sort_keys=True))
-    book = ledger.Ledger()
-    latest = book.latest(ledger.PLAN, subject(cfg))
-    if latest is not None and latest.digest == sha:
-        return Committed(sha, doc, path, latest, new=False)
-    entry = book.append(ledger.PLAN, subject(cfg), sha, {"file": workspace.relative(path), "preset": cfg.preset})
-    return Committed(sha, doc, path, entry, new=True)
+    tags = {
+        schema.TAG_PLAN: sha,
+        schema.TAG_REQUIRES_PREFIX + ledger.GATE: doc["gate_receipt"],
+        schema.TAG_REQUIRES_PREFIX + ledger.INPUTS: doc["inputs"]["sha256"],
+    }
+    entry, previous = ledger.Ledger().commit(
+        rec, ledger.PLAN, subject(cfg), sha, {"file": workspace.relative(path), "preset": cfg.preset}, tags=tags
+    )
+    return Committed(sha, doc, path, entry, new=entry is not previous)
 
 
 def file(entry: ledger.Entry) -> Path:

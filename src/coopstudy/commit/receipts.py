@@ -27,7 +27,7 @@ from coopstudy import workspace
 from coopstudy.commit import budget, ledger, sources
 from coopstudy.config import Config
 from coopstudy.errors import RefusedError
-from coopstudy.record import schema, store
+from coopstudy.record import schema, store, writer
 
 if TYPE_CHECKING:
     from coopstudy.numerics import gate
@@ -209,18 +209,20 @@ def _relative(path: Path) -> str:
     return str(path.relative_to(workspace.home()))
 
 
-def keep_receipt(cfg: Config, receipt: dict[str, Any]) -> tuple[Path, str, ledger.Entry]:
+def keep_receipt(cfg: Config, receipt: dict[str, Any], rec: writer.Recorder) -> tuple[Path, str, ledger.Entry]:
     """Write a candidate's receipt (replacing that candidate's earlier one: the
-    ledger and its run keep every attempt) and commit it to the ledger."""
+    ledger and its run keep every attempt) and commit it on its probe run `rec` and in the ledger."""
     name = receipt["setting"]["name"]
     path = probe_dir(cfg, make=True) / receipt_file(name)
     workspace.write_text(path, json.dumps(receipt, indent=2, sort_keys=True))
     sha = workspace.sha256_file(path)
-    entry = ledger.Ledger().append(
+    entry, _ = ledger.Ledger().commit(
+        rec,
         ledger.PROBE,
         f"{probe_key(cfg)}/{name}",
         sha,
         {"file": _relative(path), "outcome": receipt["outcome"], "run_id": receipt["run_id"]},
+        tags={schema.TAG_PROBE_OUTCOME: receipt["outcome"], schema.TAG_PROBE_RECEIPT: sha},
     )
     return path, sha, entry
 

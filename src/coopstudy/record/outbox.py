@@ -439,6 +439,13 @@ class Outbox:
             atexit.register(self._finish_at_exit)
             self._exit_hook = True
 
+    def holds(self, fields: Mapping[str, Any]) -> bool:
+        """Whether a waiting record has these fields."""
+        if not self.path.exists():  # _locked would make the file
+            return False
+        with self._locked() as fh:
+            return any(all(record.get(k) == v for k, v in fields.items()) for record in self._read(fh))
+
     def _went_away(self, err: BaseException) -> None:
         self._retry_at = time.monotonic() + self._interval
         self._interval = min(self._interval * 2, RETRY_MAX_S)

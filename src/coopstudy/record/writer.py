@@ -75,7 +75,11 @@ class Recorder:
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """A file or a folder; during an outage its path waits, so it must stay where it is."""
-        self._outbox.send({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
+        self._outbox.send(_upload(path) | {"artifact_path": artifact_path})
+
+    def waits_to_upload(self, path: str | Path) -> bool:
+        """Whether an upload of `path` (log_artifact) waits in the outbox, which needs it there."""
+        return self._outbox.holds(_upload(path))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._outbox.send({"op": "text", "text": text, "artifact_file": artifact_file})
@@ -136,8 +140,14 @@ class Recorder:
             }
         )  # fmt: skip
 
-    def record_commitment(self, kind: str, digest: str) -> None:
-        self.set_tags({schema.TAG_COMMITMENT_PREFIX + kind: digest})
+    def record_commitment(self, kind: str, digest: str, tags: Mapping[str, Any] | None = None) -> None:
+        """The run's mirror of a ledger commitment, with `tags` that go with it, in one call."""
+        self.set_tags(dict(tags or {}) | {schema.TAG_COMMITMENT_PREFIX + kind: digest})
+
+
+def _upload(path: str | Path) -> dict[str, str]:
+    """An upload as the outbox keeps it: by the absolute path where it waits."""
+    return {"op": "artifact", "path": str(Path(path).resolve())}
 
 
 # Tags for the next run a stage opens, set by a caller that wraps the stage

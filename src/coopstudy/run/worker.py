@@ -262,7 +262,14 @@ def train(
                 "seed_sha256": seed.sha256,
                 "torch": torch.__version__,
             }
-            _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
+            try:
+                _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
+            except BaseException:
+                # The run fails: its checkpoint goes, as for a failure during training,
+                # unless its upload waits in the outbox, which needs the folder.
+                if saved is not None and not rec.waits_to_upload(saved.folder):
+                    checkpoint.withdraw(saved)
+                raise
         # The DDP model and its comm-hook state must go before the process
         # group does: gloo otherwise aborts now and then at interpreter exit.
         del net, counter

@@ -72,17 +72,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     console = ui.console(140)
     with writer.stage_run(schema.STAGE_PLAN, cfg) as rec:
         # The gate the config's plan binds, while it holds: a gate passed since for another config changes nothing here.
-        done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt(cfg, bound=require.planned_gate(cfg)))
+        done = plan.commit(cfg, require.inputs(cfg), require.gate_receipt(cfg, bound=require.planned_gate(cfg)), rec)
         doc = done.document
         rec.log_dict(doc, schema.ART_PLAN)
-        rec.set_tags(
-            {
-                schema.TAG_PLAN: done.sha256,
-                schema.TAG_REQUIRES_PREFIX + ledger.GATE: doc["gate_receipt"],
-                schema.TAG_REQUIRES_PREFIX + ledger.INPUTS: doc["inputs"]["sha256"],
-            }
-        )
-        rec.record_commitment(ledger.PLAN, done.sha256)
         metrics = {}
         for arm, a in doc["arms"].items():
             metrics[schema.M_PLAN_SECONDS_PREFIX + arm] = a["projection"]["seconds"]

@@ -72,20 +72,17 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         digest = built.digest
 
         key = data.inputs_key(cfg)
-        # The check and its append as one step: two prepares at once commit the same inputs once.
-        with book.locked():
-            previous = book.latest(ledger.INPUTS, key)
-            if previous is not None and previous.digest == digest:
-                commitment = f"already committed (ledger entry {previous.seq})"
-            else:
-                entry = book.append(
-                    ledger.INPUTS, key, digest, {"folder": str(folder.relative_to(workspace.home())), "preset": cfg.preset}
-                )
-                commitment = f"committed (ledger entry {entry.seq})"
-                if previous is not None:
-                    commitment += f"; replaces entry {previous.seq} ({previous.digest[:12]}), the inputs of these settings changed"
-        rec.record_commitment(ledger.INPUTS, digest)
-        rec.set_tags({schema.TAG_INPUTS: digest, schema.TAG_INPUTS_KEY: key})
+        # Two prepares at once commit the same inputs once.
+        entry, previous = book.commit(
+            rec, ledger.INPUTS, key, digest, {"folder": str(folder.relative_to(workspace.home())), "preset": cfg.preset},
+            tags={schema.TAG_INPUTS: digest, schema.TAG_INPUTS_KEY: key},
+        )  # fmt: skip
+        if entry is previous:
+            commitment = f"already committed (ledger entry {entry.seq})"
+        else:
+            commitment = f"committed (ledger entry {entry.seq})"
+            if previous is not None:
+                commitment += f"; replaces entry {previous.seq} ({previous.digest[:12]}), the inputs of these settings changed"
 
         m = built.manifest
         rec.log_inputs(data.dataset_files(folder, m, data.TRAINING_FILES), context="training")

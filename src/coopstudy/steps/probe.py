@@ -141,10 +141,8 @@ def _run_candidate(
                 updates=cfg.probe.updates, capacity_mb=capacity, run_id=rec.run_id, launched=launched,
                 ranks=receipts.read_rank_reports(rec.run_id), hourly_price_usd=cfg.budget.hourly_price_usd, context=context,
             )
-            path, sha, _ = receipts.keep_receipt(cfg, receipt)
+            path, sha, _ = receipts.keep_receipt(cfg, receipt, rec)
             rec.log_dict(receipt, schema.ART_PROBE_RECEIPT)
-            rec.set_tags({schema.TAG_PROBE_OUTCOME: receipt["outcome"], schema.TAG_PROBE_RECEIPT: sha})
-            rec.record_commitment(ledger.PROBE, sha)
             memory = receipts.memory_summary(receipt)
             if receipt["outcome"] == schema.OUTCOME_COMPLETED:
                 # The process logged its own peaks with its summary.

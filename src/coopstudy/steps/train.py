@@ -14,7 +14,7 @@ from coopstudy import errors
 from coopstudy.commit import budget, candidates, require
 from coopstudy.config import ARMS, BOTH, COMPRESSED, CONTROL, Config, arms_of, set_arguments
 from coopstudy.errors import UserError
-from coopstudy.record import schema, store, writer
+from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import launch, lock
 
 HELP = "train the control and/or the compressed arm (the same loop), timed from launch to exit"
@@ -215,7 +215,19 @@ def train_arm(
     if done.returncode != 0:
         raise TrainingFailed(launch.failure(rec.run_id, arm, workers, done.returncode, here=workers // nodes.count if nodes else None))
 
-    record = store.client().get_run(rec.run_id).data
+    try:
+        record = store.client().get_run(rec.run_id).data
+    except Exception as err:
+        if not outbox.is_outage(err):
+            raise
+        # Exit 0: rank 0 recorded its checkpoint, delivered or kept in the outbox.
+        # The arm is finished; its run's end waits with the rest (the INCOMPLETE line).
+        print(
+            f"train {arm}: finished, complete {done.complete_seconds:.1f} s; the tracking server stopped answering "
+            f"({outbox.reason(err)}), so its checkpoint is not read back here; the run ends FINISHED as soon as the server takes its records",
+            flush=True,
+        )
+        return
     if schema.TAG_CHECKPOINT_SHA not in record.tags:
         raise TrainingFailed(f"{arm} arm: the processes exited cleanly but left no verified checkpoint on run {rec.run_id}")
     print(
@@ -315,8 +327,6 @@ def join_node(cfg: Config, nodes: Nodes, devices: list[str], holder: str) -> int
     try:
         run = client.get_run(run_id)
     except Exception as err:  # noqa: BLE001 - not in this record
-        from coopstudy.record import outbox
-
         if outbox.is_outage(err):
             raise
         raise UserError(f"--run-id {run_id}: no such run in the record {store.tracking_uri()}; copy the id node 0 printed") from None

@@ -89,7 +89,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             shown = "; ".join(result.failures[:3])
             more = f" (and {len(result.failures) - 3} more)" if len(result.failures) > 3 else ""
             raise gate.GateFailed(f"equivalence gate failed: {shown}{more}")
-        entry = book.append(
+        entry, _ = book.commit(
+            rec,
             ledger_mod.GATE,
             sources.GATE_SUBJECT,
             digest,
@@ -100,9 +101,8 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
                 "max_rel_error": receipt["max_rel_error"],
                 "run_id": rec.run_id,
             },
+            tags={schema.TAG_GATE: digest},
         )
-        rec.set_tags({schema.TAG_GATE: digest})
-        rec.record_commitment(ledger_mod.GATE, digest)
     console.print(
         f"gate passed: max relative error {result.max_rel_error:.2e} over {len(result.rows)} comparisons "
         f"in {result.seconds:.1f} s; receipt {digest[:12]} (ledger entry {entry.seq}, sources {receipt['sources_sha256'][:12]})"
