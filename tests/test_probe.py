@@ -158,6 +158,30 @@ def test_a_candidate_over_the_capacity_fails_as_out_of_memory_and_the_sweep_goes
     assert "arms.control.microbatch 4 with the expandable allocator failed its probe (control-mb4-default.json: out_of_memory" in refused.stderr
 
 
+def test_receipts_of_two_sweeps_on_other_code_are_refused_together(probed_tiny, capsys):
+    """A sweep stopped after its first candidate, on code changed since the last
+    whole sweep, leaves receipts of both: plan refuses them, and a study probes again."""
+    from coopstudy import cli as cli_mod
+    from coopstudy.commit import require
+    from coopstudy.errors import RefusedError
+    from coopstudy.record import writer
+
+    cfg = config.load("tiny")
+    first, *rest = sorted(receipts.probe_dir(cfg).glob("*.json"))
+    assert rest
+    receipt = json.loads(first.read_text())
+    receipt["sources"]["training"] = dict.fromkeys(receipt["sources"]["training"], "0" * 64)
+    with writer.stage_run(schema.STAGE_PROBE, cfg, log_config=False) as rec:
+        receipts.keep_receipt(cfg, receipt, rec)
+    assert cli_mod.main(["plan", "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"coopstudy plan: error: probe receipts {first.name} and {rest[0].name} in {receipts.probe_dir(cfg)} were measured on "
+        "different sources (a sweep stopped before it probed every candidate again); run `python -m coopstudy probe --preset tiny` again"
+    )
+    with pytest.raises(RefusedError, match="were measured on different sources"):
+        require.probe_receipts_complete(cfg)
+
+
 def test_probe_refuses_without_a_gate_receipt(prepared_tiny):
     done = run_cli("probe", "--preset", "tiny")
     assert done.returncode == 2

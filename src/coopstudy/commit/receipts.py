@@ -232,8 +232,14 @@ def receipt_hashes(cfg: Config) -> dict[str, str]:
     return {p.name: workspace.sha256_file(p) for p in sorted(probe_dir(cfg).glob(f"*{RECEIPT_SUFFIX}"))}
 
 
+SWEEP_CONTEXT = ("sources", "libraries", "inputs")
+"""What every receipt of one sweep shares (steps/probe.py's context): receipts
+that differ in one were measured on other code or inputs."""
+
+
 def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
-    """Receipt file name -> receipt, each checked against its ledger entry."""
+    """Receipt file name -> receipt, each checked against its ledger entry,
+    all of them measured on the same code and inputs."""
     book = ledger.Ledger()
     key = probe_key(cfg)
     out: dict[str, dict[str, Any]] = {}
@@ -246,6 +252,17 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
                 hint=f"run `python -m coopstudy probe {cfg.arguments}` again",
             )
         out[name] = json.loads((probe_dir(cfg) / name).read_text())
+    # A sweep stopped part-way leaves the candidates it did not reach as an earlier sweep
+    # probed them: where that one ran other code or inputs, together they measure nothing.
+    names = list(out)
+    for name in names[1:]:
+        moved = [field for field in SWEEP_CONTEXT if out[name].get(field) != out[names[0]].get(field)]
+        if moved:
+            raise RefusedError(
+                f"probe receipts {names[0]} and {name} in {probe_dir(cfg)} were measured on different {' and '.join(moved)} "
+                "(a sweep stopped before it probed every candidate again)",
+                hint=f"run `python -m coopstudy probe {cfg.arguments}` again",
+            )
     return out
 
 
