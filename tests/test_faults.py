@@ -1353,6 +1353,28 @@ def test_a_folder_where_the_ledger_belongs_is_one_line_before_any_work(step, tmp
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines() == [f"coopstudy {step}: error: {home / 'ledger.jsonl'}: Is a directory"], done.stderr[-3000:]
     assert "gate passed" not in done.stdout and "pass" not in done.stdout  # verify refused before its gate ran
+    client = mlflow.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("coopstudy").experiment_id])
+    assert run.data.tags[schema.TAG_ERROR] == f"{home / 'ledger.jsonl'}: Is a directory"  # as the line says it, not `[Errno 21] …`
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE], ids=["EIO", "ESTALE"])
+def test_a_disk_that_fails_under_a_read_is_one_line(code, monkeypatch, capsys, tmp_path):
+    from coopstudy import cli as cli_mod
+    from coopstudy.commit import ledger
+
+    def failed(self, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(self.path))
+
+    monkeypatch.setattr(ledger.Ledger, "entries", failed)
+    assert cli_mod.main(["plan", "--preset", "tiny"]) == 2
+    said = f"{ledger.Ledger().path}: {os.strerror(code)} (the disk or the network filesystem under it failed; check it, then run it again)"
+    assert capsys.readouterr().err.splitlines() == [f"coopstudy plan: error: {said}"]
+    client = mlflow.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("coopstudy").experiment_id])
+    assert (run.info.status, run.data.tags[schema.TAG_ERROR]) == ("FAILED", said)
+    traceback = mlflow_store.download_artifact(run.info.run_id, schema.ART_ERROR, tmp_path).read_text()
+    assert traceback.startswith("Traceback") and "def failed" not in traceback and "in failed" in traceback
 
 
 def test_a_deleted_experiment_is_one_line_and_exit_2():

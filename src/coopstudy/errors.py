@@ -40,16 +40,23 @@ IN_THE_WAY = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROF
 """A path in the way (a folder where a file belongs, a file where a folder
 does, no permission, a read-only disk) is the user's to move: said in one line."""
 
+MACHINE_FAULT = (errno.EIO, errno.ESTALE)
+"""A disk or a network filesystem that failed under a read or write is the
+machine's state, not a defect of the study: said in one line (a run that was
+open keeps the traceback in its error.txt)."""
+
 
 def os_error_said(err: OSError) -> str | None:
-    """A full disk or a path in the way, in the words every process says it
-    (the command line, a training rank); None for any other OSError."""
+    """A full disk, a path in the way or a failed disk, in the words every process
+    says it (the command line, a training rank); None for any other OSError."""
     if err.errno in FULL_DISK:
         where = f" writing {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}; free some space and run it again"
     if err.errno in IN_THE_WAY and err.filename:
         # A rename's target, not its temporary source.
         return f"{err.filename2 or err.filename}: {err.strerror}"
+    if err.errno in MACHINE_FAULT and err.filename:
+        return f"{err.filename}: {err.strerror} (the disk or the network filesystem under it failed; check it, then run it again)"
     return None
 
 

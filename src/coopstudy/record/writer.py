@@ -18,7 +18,7 @@ from typing import Any
 
 from coopstudy import config as config_mod
 from coopstudy import workspace
-from coopstudy.errors import INTERRUPTED, UserError
+from coopstudy.errors import INTERRUPTED, UserError, os_error_said
 from coopstudy.record import outbox, schema, store
 
 RUN_NAME_TAG = "mlflow.runName"
@@ -396,6 +396,8 @@ def _record_failure(rec: Recorder, err: BaseException) -> None:
     if outbox.is_outage(err):
         # As the stage's line says it, not MLflow's request chain (the traceback keeps that).
         why = f"the tracking server stopped answering ({outbox.reason(err)})"
+    elif isinstance(err, OSError):
+        why = os_error_said(err) or why  # as the line says it, not as `[Errno N] …`
     try:
         rec.set_tags({schema.TAG_ERROR: why[:MAX_TAG_CHARS], schema.TAG_ERROR_KIND: type(err).__name__})
         rec.log_text("".join(traceback.format_exception(err)), schema.ART_ERROR)
