@@ -170,9 +170,13 @@ def test_receipts_of_two_sweeps_on_other_code_are_refused_together(probed_tiny, 
     first, *rest = sorted(receipts.probe_dir(cfg).glob("*.json"))
     assert rest
     receipt = json.loads(first.read_text())
+    # Probed again on the same code and inputs: taken with the rest.
+    with writer.stage_run(schema.STAGE_PROBE, cfg, log_config=False) as rec:
+        receipts.keep_receipt(cfg, receipt | {"run_id": rec.run_id}, rec)
+    require.probe_receipts_complete(cfg)
     receipt["sources"]["training"] = dict.fromkeys(receipt["sources"]["training"], "0" * 64)
     with writer.stage_run(schema.STAGE_PROBE, cfg, log_config=False) as rec:
-        receipts.keep_receipt(cfg, receipt, rec)
+        receipts.keep_receipt(cfg, receipt | {"run_id": rec.run_id}, rec)
     assert cli_mod.main(["plan", "--preset", "tiny"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"coopstudy plan: error: probe receipts {first.name} and {rest[0].name} in {receipts.probe_dir(cfg)} were measured on "

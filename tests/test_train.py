@@ -406,7 +406,8 @@ def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
         assert outbox.reason(wrapped) == "connection refused"
 
 
-def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(capsys):
+@pytest.mark.parametrize("left_one", [True, False], ids=["a checkpoint here", "none"])
+def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(capsys, left_one):
     # Rank 0 recorded its checkpoint and exited 0, then the server stopped answering
     # before the stage read the run back. Before, the stage failed the finished arm.
     import requests
@@ -424,16 +425,25 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
     cfg = config.load("tiny", ["experiment=outage-as-the-ranks-exit"])
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control") as rec, pytest.MonkeyPatch.context() as mp:
 
+        kept = workspace.home() / workspace.CHECKPOINTS / rec.run_id
+
         def ranks_finished(cmd, env, *, label, held=None):
-            rec.set_tags({schema.TAG_CHECKPOINT_SHA: "c" * 64, schema.TAG_CHECKPOINT_PATH: "rank 0's"})
+            if left_one:
+                kept.mkdir(parents=True)
+                rec.set_tags({schema.TAG_CHECKPOINT_SHA: "c" * 64, schema.TAG_CHECKPOINT_PATH: str(kept)})
             mp.setattr(MlflowClient, "get_run", unreachable)
             return launch.Exit(0, 1.5)
 
         mp.setattr(launch, "run", ranks_finished)
+        if not left_one:
+            # Where the ranks left no checkpoint here, nothing stands for the record.
+            with pytest.raises(train.TrainingFailed, match=f"exited cleanly, but no checkpoint is at {kept}, and the tracking server"):
+                train.train_arm(rec, cfg, "control", None)
+            return
         train.train_arm(rec, cfg, "control", None)
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "train control: finished, complete 1.5 s; the tracking server stopped answering (connection refused), so its "
-        "checkpoint is not read back here; the run ends FINISHED as soon as the server takes its records"
+        f"train control: finished, complete 1.5 s; checkpoint {kept}; the tracking server stopped answering (connection refused), "
+        "so the run is not read back here; it ends FINISHED as soon as the server takes its records"
     )
     run = _client().get_run(rec.run_id)
     assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_CHECKPOINT_SHA] == "c" * 64

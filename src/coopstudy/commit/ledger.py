@@ -140,9 +140,10 @@ class Ledger:
         """Commit `digest` for (kind, subject) as a step does: on its run
         `rec` first (the commitment's mirror and `tags`), then in the ledger,
         unless the subject's newest entry holds it already. A step stopped
-        between the two leaves a tag no entry names, which nothing reads;
-        the other order left an entry without its mirror, which refuses every
-        step after it (check_record), plan and probe themselves included.
+        between the two leaves a run tagged with what no entry names, which
+        refuses nothing; the other order left an entry without its mirror,
+        which refuses every step after it (check_record), plan and probe
+        themselves included.
         Returns the entry in force and the one it found (the same entry: already committed)."""
         rec.record_commitment(kind, digest, tags)
         with self.locked():

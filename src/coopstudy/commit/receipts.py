@@ -248,7 +248,7 @@ def probe_receipts(cfg: Config) -> dict[str, dict[str, Any]]:
         if entry is None or entry.digest != sha:
             raise RefusedError(
                 f"probe receipt {probe_dir(cfg) / name} is not the one the probe committed to the ledger "
-                "(it was edited or copied in)",
+                "(it was edited or copied in, or the probe was stopped while it committed it)",
                 hint=f"run `python -m coopstudy probe {cfg.arguments}` again",
             )
         out[name] = json.loads((probe_dir(cfg) / name).read_text())

@@ -265,10 +265,17 @@ def train(
             try:
                 _record_run(rec, summary, counter, saved, cuda=ctx.device.type == "cuda")
             except BaseException:
+                _ending()
                 # The run fails: its checkpoint goes, as for a failure during training,
-                # unless its upload waits in the outbox, which needs the folder.
-                if saved is not None and not rec.waits_to_upload(saved.folder):
-                    checkpoint.withdraw(saved)
+                # unless its upload waits in the outbox, which needs the folder (kept
+                # where the outbox cannot be read: its error is not the run's).
+                if saved is not None:
+                    try:
+                        waits = rec.waits_to_upload(saved.folder)
+                    except OSError:
+                        waits = True
+                    if not waits:
+                        checkpoint.withdraw(saved)
                 raise
         # The DDP model and its comm-hook state must go before the process
         # group does: gloo otherwise aborts now and then at interpreter exit.

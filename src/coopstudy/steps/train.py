@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from coopstudy import errors
+from coopstudy import errors, workspace
 from coopstudy.commit import budget, candidates, require
 from coopstudy.config import ARMS, BOTH, COMPRESSED, CONTROL, Config, arms_of, set_arguments
 from coopstudy.errors import UserError
@@ -220,11 +220,17 @@ def train_arm(
     except Exception as err:
         if not outbox.is_outage(err):
             raise
-        # Exit 0: rank 0 recorded its checkpoint, delivered or kept in the outbox.
-        # The arm is finished; its run's end waits with the rest (the INCOMPLETE line).
+        # Exit 0: rank 0 recorded its checkpoint, delivered or kept in the outbox; the
+        # folder it verified stands for the record here (where rank 0 ran on this host).
+        kept = workspace.home() / workspace.CHECKPOINTS / rec.run_id
+        if not kept.is_dir():
+            raise TrainingFailed(
+                f"{arm} arm: the processes exited cleanly, but no checkpoint is at {kept}, and the tracking server, "
+                f"which would say where rank 0 left it, stopped answering ({outbox.reason(err)})"
+            ) from err
         print(
-            f"train {arm}: finished, complete {done.complete_seconds:.1f} s; the tracking server stopped answering "
-            f"({outbox.reason(err)}), so its checkpoint is not read back here; the run ends FINISHED as soon as the server takes its records",
+            f"train {arm}: finished, complete {done.complete_seconds:.1f} s; checkpoint {kept}; the tracking server stopped "
+            f"answering ({outbox.reason(err)}), so the run is not read back here; it ends FINISHED as soon as the server takes its records",
             flush=True,
         )
         return
