@@ -237,14 +237,14 @@ def _plan(store: Store, tmp: Path) -> Tampered:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True))
     return Tampered(
         (f"the plan file {path} was edited after it was committed",),
-        "`python -m coopstudy plan",
+        "`python -m coopstudy plan --preset tiny`",
     )
 
 
 def _plan_garbled(store: Store, tmp: Path) -> Tampered:
     path = store.home / _entry(store, ledger.PLAN, plan.subject(config.load("tiny"))).details["file"]
     path.write_bytes(b"\xff not a plan")
-    return Tampered((f"the plan file {path} was edited after it was committed",), "`python -m coopstudy plan")
+    return Tampered((f"the plan file {path} was edited after it was committed",), "`python -m coopstudy plan --preset tiny`")
 
 
 def _checkpoint_before_select(store: Store, tmp: Path) -> Tampered:
@@ -261,8 +261,11 @@ def _checkpoint_after_select(store: Store, tmp: Path) -> Tampered:
     entry = next(e for e in _entries(store) if e.kind == ledger.CANDIDATE and e.details["arm"] == "control")
     folder = Path(entry.details["path"])
     return Tampered(
-        ("the control candidate selected at", f"the weights in {folder} hash to", "they changed after selection"),
-        "artifact",
+        (
+            "the control candidate selected at", f"by select run {entry.details['select_run_id']}: the weights in {folder} hash to",
+            f"not the selected {entry.digest[:12]}; they changed after selection, refusing to score them",
+        ),
+        f"delete {folder} to have it brought back from the `checkpoint` artifact of train run {entry.details['train_run_id']}",
         restore=_flip_shared(folder / workspace.WEIGHTS_FILE),
     )
 
@@ -1017,6 +1020,14 @@ def _model_cut_short(tmp: Path) -> str:
     return str(tmp / "model")
 
 
+def _model_with_a_spoilt_tokenizer(tmp: Path) -> str:
+    """The tiny seed's folder, whole but for its tokenizer file."""
+    (seed,) = (workspace.home() / "seeds").iterdir()
+    shutil.copytree(seed, tmp / "model")
+    (tmp / "model" / "tokenizer.json").write_text("{bad")
+    return str(tmp / "model")
+
+
 def _spoil_seed_config() -> None:
     (folder,) = (workspace.home() / "seeds").glob("random-*")
     (folder / "config.json").write_text("{bad")
@@ -1110,6 +1121,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "pretrained weights cut short": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_cut_short(tmp)}"),
         "/model/model.safetensors is not a safetensors file (a Git LFS pointer, or cut short?)",
+    ),
+    "pretrained tokenizer spoilt": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_with_a_spoilt_tokenizer(tmp)}"),
+        "seed model: the tokenizer in ",
     ),
     "replay source that is a folder": (
         lambda tmp: ("prepare", "--preset", "tiny", "--set", f"data.replay_source={_a_folder(tmp, 'chats.jsonl')}"),
@@ -1208,6 +1223,10 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         lambda tmp: ("probe", "--preset", "tiny", "--set", "probe.candidates=[{arm: control, microbatch: 4}]", "--hostfile", _hostfile(tmp, "a slots=1\nb slots=1\n")),
         "--hostfile: only the compressed arm runs on several hosts, and this sweep has no compressed candidate",
     ),
+    "the experiment Default": (
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "experiment=Default"),
+        "Default is MLflow's own experiment, where `mlflow run` puts its pointer runs; name the study's own",
+    ),
     "hostfile: missing": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(tmp / "nope")), "no such file"),
     "hostfile: a folder": (lambda tmp: ("train", "--preset", "tiny", "--arm", "compressed", "--hostfile", str(_a_folder(tmp, "hosts"))), "/hosts: a folder, not a file"),
     # Its read blocked for ever, under --dry-run too.
@@ -1261,6 +1280,11 @@ def test_bad_input_is_one_line_and_exit_2(case, tiny_seed, tmp_path):
     client = mlflow.MlflowClient()
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert all(r.info.status == "FAILED" and r.data.tags[schema.TAG_STAGE] == argv[0] for r in runs), runs
+    if case.startswith("report --out"):
+        # A file is refused before the report run opens; below a file, with it open.
+        assert bool(runs) == (case == "report --out below a file"), runs
+    if case == "hostfile: a host ssh cannot reach":
+        assert not runs, runs  # checked before any run opens
 
 
 def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
@@ -1298,6 +1322,7 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("COOPSTUDY_HOME", "/proc/nosuch/home", "the study's home /proc/nosuch/home: cannot be made (No such file or directory"),
         # Said before as no such file.
         ("COOPSTUDY_REMOTE_FILE", "/dev/null", "COOPSTUDY_REMOTE_FILE=/dev/null: not a regular file (a pipe, socket or device)"),
+        ("COOPSTUDY_REMOTE_FILE", "{folder}", "COOPSTUDY_REMOTE_FILE={folder}: a folder, not a file"),
         # A link to nothing: said before as its parent folder being a file.
         ("COOPSTUDY_HOME", "{dangling}", "the study's home {dangling}: a symbolic link that leads to no folder"),
         # A word with no scheme is a folder store to MLflow, which refuses it with a migration notice.
@@ -1384,6 +1409,7 @@ def test_a_deleted_experiment_is_one_line_and_exit_2():
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("coopstudy plan: error: experiment 'retired' is deleted in ") and "mlflow experiments restore" in line, line
+    assert line.endswith("or name another with --set experiment=NAME"), line
 
 
 @pytest.mark.parametrize("name", ["123", "null", "runs # 2", "étude 🙂"])

@@ -178,6 +178,7 @@ def test_a_dead_server_stops_a_stage_before_any_work(tmp_path):
         ("MLFLOW_HTTP_REQUEST_TIMEOUT", "0", "remote check"),
         ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "-1", "plan"),
         ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "11", "plan"),  # over MLflow's limit of 10
+        ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "-1", "plan"),
     ],
 )
 def test_http_settings_mlflow_would_refuse_are_one_line_before_any_request(tmp_path, name, value, step):
@@ -186,7 +187,10 @@ def test_http_settings_mlflow_would_refuse_are_one_line_before_any_request(tmp_p
     remote_file.write_text(f"http://127.0.0.1:{workspace.free_port()}\n")
     command = ("plan", "--preset", "tiny") if step == "plan" else step.split()
     done = _coopstudy(*command, env=_remote_env(remote_file, tmp_path / "home", **{name: value}))
-    takes = "at least 1" if name == "MLFLOW_HTTP_REQUEST_TIMEOUT" else "from 0 to 10"
+    from mlflow import environment_variables
+
+    most = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": 10, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": environment_variables._MLFLOW_HTTP_REQUEST_MAX_BACKOFF_FACTOR_LIMIT.get()}
+    takes = "at least 1" if name == "MLFLOW_HTTP_REQUEST_TIMEOUT" else f"from 0 to {most[name]}"
     said = f"coopstudy {step}: error: {name}={value!r}: MLflow takes a whole number {takes}; unset it for the study's {store.HTTP_DEFAULTS[name]}"
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]
 

@@ -230,7 +230,7 @@ def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, tmp_path,
         room = sum(-(-(out / name).stat().st_size // 4096) for name in (schema.ART_REPORT_JSON, schema.ART_REPORT_MD)) + 1
         assert (out / schema.ART_REPORT_HTML).stat().st_size > (room + 2) * 4096
         fill_disk(out.parent, leave_pages=room)
-        said = "No space left on device"
+        said = "coopstudy report: error: No space left on device"
     else:
         _interrupt_on(patched, "_write_synced", lambda path: path.suffix == ".png")  # as the figures are written
         said = "coopstudy report: interrupted"

@@ -225,6 +225,7 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     assert "compressed arm failed (a rank was killed by SIGKILL)" in error, error
     assert "rank 1 recorded no error" in error, error
     assert re.search(rf"; rank 0: (RuntimeError: {lost}|Stopped: {stopped})", error), error
+    assert last_line == f"coopstudy train: error: {error}", last_line  # the line and the run say the same
     assert f"{schema.TAG_WORKER_ERROR_PREFIX}0" in failed.data.tags, "rank 0 left no error"
     assert f"{schema.ART_WORKER_ERROR_PREFIX}0.txt" in {a.path for a in _client().list_artifacts(run.info.run_id, schema.ART_WORKER_ERROR_PREFIX.rpartition("/")[0])}  # its traceback
     assert failed.data.metrics[schema.M_COMPLETE_SECONDS] > 0  # the failed attempt's time is on record
@@ -447,6 +448,23 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
     )
     run = _client().get_run(rec.run_id)
     assert run.info.status == "FINISHED" and run.data.tags[schema.TAG_CHECKPOINT_SHA] == "c" * 64
+
+
+def test_a_store_locked_under_a_rank_is_one_line(monkeypatch, capsys):
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+
+    def locked(*args, **kwargs):
+        # As MLflow says it once SQLite's 20-s wait for another process's lock is over.
+        try:
+            raise sqlite3.OperationalError("database is locked")
+        except sqlite3.OperationalError as err:
+            raise MlflowException("(sqlite3.OperationalError) database is locked") from err
+
+    monkeypatch.setattr(worker, "train", locked)
+    _, code = _worker_main("control")
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [f"coopstudy worker (control, rank 0): {store.locked_said()}"])
 
 
 def test_a_stop_inside_the_comm_hooks_callback_is_told_as_the_stop(monkeypatch):
