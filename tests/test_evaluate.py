@@ -364,6 +364,31 @@ def test_evaluate_scores_three_models_in_child_runs(selected_apart, capsys):
     assert len(_runs(f"tags.`{schema.TAG_MODEL}` != ''")) == 3  # nothing scored again
 
 
+@pytest.mark.slow
+def test_an_evaluate_stopped_after_a_model_takes_its_scores_when_run_again(selected, capsys, monkeypatch):
+    # Before, every model was scored again: the seed's minutes spent on a run the report lists as evidence.
+    score, scored = scoring.score_model, []
+
+    def stopped_at_control(model, tokenizer, test, retention, settings, label, *rest):
+        if label == "control":
+            raise KeyboardInterrupt
+        return score(model, tokenizer, test, retention, settings, label, *rest)
+
+    monkeypatch.setattr(scoring, "score_model", stopped_at_control)
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 130
+    (seed,) = [r for r in _runs(f"tags.`{schema.TAG_MODEL}` = 'seed'")]
+    assert seed.info.status == "FINISHED"
+    monkeypatch.setattr(scoring, "score_model", lambda *args: scored.append(args[5]) or score(*args))
+    capsys.readouterr()
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 0
+    assert scored == ["control", "compressed"]
+    out = capsys.readouterr().out
+    assert f"(run {seed.info.run_id}, an earlier evaluate's: taken, not scored again)" in out, out
+    (parent,) = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and attributes.status = 'FINISHED' and tags.`{schema.TAG_MODEL}` IS NULL")
+    assert parent.data.tags[schema.TAG_SCORED_BY_PREFIX + "seed"] == seed.info.run_id
+    assert [r.info.status for r in _runs(f"tags.`{schema.TAG_MODEL}` = 'control'")] in (["FINISHED", "KILLED"], ["KILLED", "FINISHED"])
+
+
 def _failed_evaluate_error() -> str:
     (run,) = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
     # A failed evaluate spent its device time too.

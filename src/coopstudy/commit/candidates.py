@@ -126,6 +126,19 @@ def first_evaluation(cfg: Config, plan_sha: str):
     return finished[0] if finished else None
 
 
+def first_model_evaluation(cfg: Config, plan_sha: str, model: str, weights_sha256: str):
+    """The first FINISHED evaluate child run that scored `model`'s weights under
+    the plan, whatever became of its parent, or None: the one the report reads."""
+    found = store.search_runs(
+        cfg.experiment,
+        f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_EVALUATE}' and tags.`{schema.TAG_PLAN}` = '{plan_sha}' "
+        f"and tags.`{schema.TAG_MODEL}` = '{model}' and tags.`{schema.TAG_CHECKPOINT_SHA}` = '{weights_sha256}' "
+        "and attributes.status = 'FINISHED'",
+        order_by=("attributes.start_time ASC",),
+    )
+    return found[0] if found else None
+
+
 def final_train_runs(cfg: Config, plan_sha: str) -> dict[str, Candidate]:
     """Each arm's first FINISHED train run under the plan, as a candidate;
     refuses, naming every arm, when one has not finished."""

@@ -439,6 +439,10 @@ TAG_CANDIDATE_RUN_PREFIX = "coopstudy.candidate_run."
 """+ arm, on the select run: the train run whose final checkpoint is that arm's candidate."""
 TAG_SELECT_RUN = "coopstudy.select_run_id"
 """On the evaluate parent run: the select run that committed the candidates it scored."""
+TAG_SCORED_BY_PREFIX = "coopstudy.scored_by."
+"""On the evaluate parent run, per model (`coopstudy.scored_by.<model>`): the child run of an
+earlier evaluate, stopped or failed after it, that had scored the model's weights under the
+plan; taken as it is, not scored again (the first finished evaluation is the one the report reads)."""
 M_TEST_CASES = "eval/test_cases"
 """On an evaluate child run: the number of final-test cases scored."""
 M_GENERATE_SECONDS = "eval/generate_seconds"

@@ -42,7 +42,9 @@ with the same metrics ({schema.M_ACCURACY}, {schema.M_ACCURACY_PREFIX}<family>,
 {schema.M_RETENTION_NLL}, generation speed) and two tables: {schema.ART_TEST_TABLE} (one
 row per case: prompt, output, extracted answer, expected, verifier score,
 correct = score 1.0) and {schema.ART_RETENTION_TABLE} (one row per document: target tokens,
-NLL sum, mean NLL).
+NLL sum, mean NLL). A model that an earlier evaluate of the plan scored
+before it stopped or failed is not scored again: its child run, the one the
+report reads, is named on this run ({schema.TAG_SCORED_BY_PREFIX}<model>).
 Generation is greedy with the chat template, batched (evaluate.batch_size),
 up to evaluate.max_new_tokens, stopped at the end of turn."""
 
@@ -103,6 +105,15 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
     files = prepared.manifest["files"]
     read = data.dataset_files(prepared.folder, prepared.manifest, data.EVALUATION_FILES)
     for name, (path, sha) in models.items():
+        # An evaluate stopped after scoring this model left its child run: the
+        # report reads that one, the first finished, so scoring again would only
+        # spend the device on a run the report lists as evidence.
+        earlier = candidates.first_model_evaluation(cfg, plan_sha, name, sha)
+        if earlier is not None:
+            rec.set_tags({schema.TAG_SCORED_BY_PREFIX + name: earlier.info.run_id})
+            results[name] = dict(earlier.data.metrics)
+            _print_scores(name, results[name], f"run {earlier.info.run_id}, an earlier evaluate's: taken, not scored again")
+            continue
         tokenizer = tokenizers[name]
         model = scoring.load_model(path, name, tokenizer)
         with writer.stage_run(
@@ -122,15 +133,18 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
             child.log_table(scored.cases, schema.ART_TEST_TABLE)
             child.log_table(scored.retention, schema.ART_RETENTION_TABLE)
         results[name] = scored.metrics
-        m = scored.metrics
-        print(
-            f"{name:<10} accuracy {m[schema.M_ACCURACY]:.3f}  retention NLL {m.get(schema.M_RETENTION_NLL, float('nan')):.4f}  "
-            f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f} cases/s  (run {child.run_id})",
-            flush=True,
-        )
+        _print_scores(name, scored.metrics, f"run {child.run_id}")
         del model
         gc.collect()
     return results
+
+
+def _print_scores(name: str, m: dict[str, float], where: str) -> None:
+    print(
+        f"{name:<10} accuracy {m[schema.M_ACCURACY]:.3f}  retention NLL {m.get(schema.M_RETENTION_NLL, float('nan')):.4f}  "
+        f"{m[schema.M_GENERATE_ITEMS_PER_SECOND]:.2f} cases/s  ({where})",
+        flush=True,
+    )
 
 
 def _measured_on(metrics: dict[str, float], files: dict[str, dict]) -> dict[str, tuple[str, str]]:
