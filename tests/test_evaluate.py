@@ -389,6 +389,25 @@ def test_an_evaluate_stopped_after_a_model_takes_its_scores_when_run_again(selec
     assert [r.info.status for r in _runs(f"tags.`{schema.TAG_MODEL}` = 'control'")] in (["FINISHED", "KILLED"], ["KILLED", "FINISHED"])
 
 
+@pytest.mark.slow
+def test_an_earlier_evaluation_that_lacks_part_of_its_record_is_refused_not_taken(selected, capsys):
+    # Ended FINISHED while an outage kept its tables back: the report would read it as it is.
+    from coopstudy.inputs.seed import resolve_seed
+
+    client = store.client()
+    experiment = client.get_experiment_by_name("coopstudy").experiment_id
+    tags = {schema.TAG_STAGE: schema.STAGE_EVALUATE, schema.TAG_PLAN: PLAN, schema.TAG_MODEL: "seed",
+            schema.TAG_CHECKPOINT_SHA: resolve_seed(selected).sha256}  # fmt: skip
+    earlier = client.create_run(experiment, tags=tags).info.run_id
+    client.log_metric(earlier, schema.M_ACCURACY, 0.5)
+    client.set_terminated(earlier, "FINISHED")
+    assert cli.main(["evaluate", "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"coopstudy evaluate: error: model seed: its first finished evaluation, run {earlier}, which the report reads, lacks "
+        f"{schema.M_GENERATE_ITEMS_PER_SECOND}, {schema.M_EVAL_THREADS}, {schema.ART_TEST_TABLE}, {schema.ART_RETENTION_TABLE}"
+    )
+
+
 def _failed_evaluate_error() -> str:
     (run,) = _runs(f"tags.`{schema.TAG_STAGE}` = 'evaluate' and attributes.status = 'FAILED'")
     # A failed evaluate spent its device time too.

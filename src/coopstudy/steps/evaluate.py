@@ -8,6 +8,7 @@ import contextlib
 import gc
 import sys
 import time
+from typing import Any
 
 from coopstudy import scoring
 from coopstudy.commit import budget, candidates, ledger, plan, require
@@ -15,7 +16,7 @@ from coopstudy.config import Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import data
 from coopstudy.inputs.seed import resolve_seed
-from coopstudy.record import schema, writer
+from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import lock
 
 HELP = "score seed, control and compressed on the final test and the retention probes"
@@ -110,6 +111,7 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
         # spend the device on a run the report lists as evidence.
         earlier = candidates.first_model_evaluation(cfg, plan_sha, name, sha)
         if earlier is not None:
+            _check_whole(name, earlier)
             rec.set_tags({schema.TAG_SCORED_BY_PREFIX + name: earlier.info.run_id})
             results[name] = dict(earlier.data.metrics)
             _print_scores(name, results[name], f"run {earlier.info.run_id}, an earlier evaluate's: taken, not scored again")
@@ -137,6 +139,20 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
         del model
         gc.collect()
     return results
+
+
+def _check_whole(name: str, run: Any) -> None:
+    """Refuse an earlier evaluation that ended FINISHED without all of its
+    record (what an outage kept back, or the server refused): the report reads it."""
+    run_id = run.info.run_id
+    lacks = [m for m in (schema.M_ACCURACY, schema.M_GENERATE_ITEMS_PER_SECOND, schema.M_EVAL_THREADS) if m not in run.data.metrics]
+    lacks += [t for t in (schema.ART_TEST_TABLE, schema.ART_RETENTION_TABLE) if not store.has_artifact(run_id, t)]
+    if lacks:
+        waits = outbox.outbox_file(run_id).exists()
+        raise RefusedError(
+            f"model {name}: its first finished evaluation, run {run_id}, which the report reads, lacks {', '.join(lacks)}",
+            hint=f"deliver what waits of it: `python -m coopstudy remote deliver {run_id}`" if waits else None,
+        )
 
 
 def _print_scores(name: str, m: dict[str, float], where: str) -> None:
