@@ -1314,6 +1314,8 @@ def test_a_refusal_on_a_store_it_makes_is_still_one_line(tiny_seed, tmp_path):
         ("COOPSTUDY_REMOTE_FILE", "{binary}", "tracking URI file {binary}: cannot read it (not UTF-8 text)"),
         # MLflow would take it, and the step's records would vanish at its end.
         ("MLFLOW_TRACKING_URI", "sqlite://", "tracking URI 'sqlite://' (from MLFLOW_TRACKING_URI): an in-memory database"),
+        ("MLFLOW_TRACKING_URI", "sqlite:///", "tracking URI 'sqlite:///' (from MLFLOW_TRACKING_URI): an in-memory database"),
+        ("MLFLOW_TRACKING_URI", "sqlite:///:memory:", "tracking URI 'sqlite:///:memory:' (from MLFLOW_TRACKING_URI): an in-memory database"),
         # A database store whose driver is not installed: MLflow's ModuleNotFoundError.
         ("MLFLOW_TRACKING_URI", "postgresql://nohost/db", "(from MLFLOW_TRACKING_URI) needs the Python module '"),
         # A home whose sub-folders cannot be made (procfs here; read-only alike).
