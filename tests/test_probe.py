@@ -69,6 +69,10 @@ def test_each_candidate_is_a_child_run_with_a_receipt_on_disk_and_in_the_ledger(
         assert {schema.M_OTHERS_CORES, schema.M_STEAL_SECONDS} <= run.data.metrics.keys()  # how quiet the host was
         assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, schema.M_LOSS)) == cfg.probe.updates
         assert receipt["complete_seconds"] > sum(seconds)
+        # The training worker stopped early, and kept no weights (below: none on disk either).
+        summary = json.loads(store.download_artifact(run.info.run_id, schema.ART_TRAIN_SUMMARY, tmp_path / name).read_text())
+        assert summary["updates"] == cfg.probe.updates < cfg.train.updates
+        assert schema.TAG_CHECKPOINT_SHA not in run.data.tags and schema.M_CHECKPOINT_SECONDS not in run.data.metrics
         # A compressed probe compresses its last update: its memory holds PowerSGD's too
         # (before, every probe update was dense; a full run compresses from update dense_updates + 1).
         compressed = receipt["setting"]["arm"] == "compressed"

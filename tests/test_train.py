@@ -242,22 +242,6 @@ def test_killed_rank_ends_both_within_the_collective_timeout_and_fails_the_run(t
     assert not (workspace.home() / "checkpoints" / run.info.run_id).exists()
 
 
-def test_probe_settings_stop_early_and_keep_no_checkpoint(tmp_path):
-    """What probes use: the same worker, a few updates, no final weights."""
-    cfg = config.load("tiny")
-    run_id = _client().create_run(store.experiment_id("coopstudy")).info.run_id
-    cmd = launch.command(cfg, "control", run_id, updates=2, checkpoint=False)
-    done = launch.run(cmd, launch.worker_environment(cfg, run_id), label="probe")
-    assert done.returncode == 0 and done.complete_seconds > 0
-    run = _client().get_run(run_id)
-    assert _history(run, schema.M_LOSS) and len(_history(run, schema.M_LOSS)) == 2
-    assert schema.TAG_CHECKPOINT_SHA not in run.data.tags
-    assert schema.M_CHECKPOINT_SECONDS not in run.data.metrics
-    assert not (workspace.home() / "checkpoints" / run_id).exists()
-    summary = store.download_artifact(run_id, schema.ART_TRAIN_SUMMARY, tmp_path)
-    assert '"updates": 2' in summary.read_text()
-
-
 def test_a_sigterm_while_a_rank_records_its_error_does_not_cut_the_record_short(monkeypatch):
     # Once one rank has failed, the launcher sends SIGTERM to the others, which
     # may be recording their own error at that moment.
