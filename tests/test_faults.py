@@ -1028,9 +1028,12 @@ def _model_with_a_spoilt_tokenizer(tmp: Path) -> str:
     return str(tmp / "model")
 
 
-def _spoil_seed_config() -> None:
+def _spoil_seed_config(remove: bool = False) -> None:
     (folder,) = (workspace.home() / "seeds").glob("random-*")
-    (folder / "config.json").write_text("{bad")
+    if remove:
+        (folder / "config.json").unlink()
+    else:
+        (folder / "config.json").write_text("{bad")
 
 
 BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
@@ -1076,6 +1079,11 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
     "a cached seed whose config.json is no JSON": (
         lambda tmp: _spoil_seed_config() or ("prepare", "--preset", "tiny"),
         "config.json' is not a valid JSON file.); delete ",
+    ),
+    # Prepare passed, and a bench or a training rank ended in a traceback.
+    "a cached seed without config.json": (
+        lambda tmp: _spoil_seed_config(remove=True) or ("prepare", "--preset", "tiny"),
+        ": no config.json; delete ",
     ),
     # It said "package 'os' is not installed".
     "a GGUF package that is a module": (

@@ -131,6 +131,24 @@ def test_a_committed_file_whose_rewrite_is_cut_short_stays_as_it_was(planned, mo
     assert sorted(p.name for p in kept.parent.iterdir() if p.name.startswith(".")) == []
 
 
+def test_a_plan_file_gone_or_edited_after_the_first_check_is_refused_when_read_again(planned):
+    # `train --arm both` reads the plan again before its second arm, hours after its first check: it was a traceback.
+    sha, doc, _ = planned
+    cfg = config.load("tiny")
+    path = plan.file(ledger.Ledger().latest(ledger.PLAN, plan.subject(cfg)))
+    before = path.read_bytes()
+    try:
+        path.unlink()
+        with pytest.raises(RefusedError, match=f"the committed plan {sha[:12]} is missing from {path}"):
+            plan.document(cfg, sha)
+        path.write_text("{}")
+        with pytest.raises(RefusedError, match=f"the plan file {path} was edited after it was committed"):
+            plan.document(cfg, sha)
+    finally:
+        path.write_bytes(before)
+    assert plan.document(cfg, sha) == doc
+
+
 def test_train_refuses_without_a_plan():
     # A different config is a different plan: none is committed for it.
     done = run_cli("train", "--preset", "tiny", "--arm", "control", "--set", "budget.allocation_usd=99")

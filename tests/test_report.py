@@ -216,6 +216,25 @@ def _interrupt_on(patched: pytest.MonkeyPatch, name: str, when: Callable[[Path],
     patched.setattr(report_step, name, interrupted)
 
 
+def test_a_report_folder_removed_while_the_record_is_read_is_made_again(capsys, tiny, tmp_path):
+    # Made, then the record read (minutes from a remote server) and the figures drawn: it was a traceback.
+    import shutil
+
+    make_study(tiny)
+    out = tmp_path / "out"
+    figures = rep.figures
+
+    def removed_meanwhile(*args, **kwargs):
+        shutil.rmtree(out)
+        return figures(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rep, "figures", removed_meanwhile)
+        rc, _, err = _report(capsys, "--out", str(out))
+    assert rc == 0, err
+    assert {schema.ART_REPORT_JSON, schema.ART_REPORT_MD, schema.ART_REPORT_HTML} <= {p.name for p in out.iterdir()}
+
+
 @pytest.mark.parametrize("cut", ["full disk", "Ctrl-C"])
 def test_a_report_cut_short_leaves_the_last_report_whole(capsys, tiny, tmp_path, request, cut):
     make_study(tiny)

@@ -196,12 +196,34 @@ def stored(entry: ledger.Entry) -> Any:
         return None
 
 
+def intact(cfg: Config, entry: ledger.Entry, doc: Any) -> dict[str, Any]:
+    """`doc`, read from the file of the plan committed as `entry` (stored), or a
+    refusal where that file is gone or holds another document."""
+    path = file(entry)
+    if not path.is_file():
+        raise RefusedError(
+            f"the committed plan {entry.digest[:12]} is missing from {path}", hint=f"commit it again with `python -m coopstudy plan {cfg.arguments}`"
+        )
+    if isinstance(doc, OSError):
+        raise doc
+    if not isinstance(doc, dict) or digest(doc) != entry.digest:
+        # The plan is derived: writing it again gives back the committed document, or commits a new one.
+        raise RefusedError(f"the plan file {path} was edited after it was committed", hint=f"write it again: `python -m coopstudy plan {cfg.arguments}`")
+    return doc
+
+
 def document(cfg: Config, sha: str) -> dict[str, Any]:
-    """The committed plan `sha` of `cfg` (require.committed_plan has checked it)."""
+    """The committed plan `sha` of `cfg`, checked again: a stage that reads it
+    later than require.committed_plan (train's second arm, hours on) may find
+    the file gone or edited meanwhile."""
     entry = ledger.Ledger().require(ledger.PLAN, subject(cfg), hint=hint(cfg))
     if entry.digest != sha:
         raise RefusedError(f"plan {sha[:12]} is not the committed plan of this config (that is {entry.digest[:12]})")
-    return stored(entry)
+    try:
+        doc = stored(entry)
+    except FileNotFoundError:
+        doc = None  # said as gone by intact
+    return intact(cfg, entry, doc)
 
 
 def hint(cfg: Config) -> str:

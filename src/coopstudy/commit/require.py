@@ -114,19 +114,7 @@ def committed_plan(cfg: Config, read: _Read | None = None) -> str:
     read = read or _read(cfg)
     entry = read.book.require(ledger.PLAN, planning.subject(cfg), hint=planning.hint(cfg), entries=read.entries)
     short = entry.digest[:12]
-    stored = planning.file(entry)
-    if not stored.is_file():
-        raise RefusedError(
-            f"the committed plan {short} is missing from {stored}", hint=f"commit it again with `python -m coopstudy plan {cfg.arguments}`"
-        )
-    old = read.document
-    if isinstance(old, OSError):
-        raise old
-    if not isinstance(old, dict) or planning.digest(old) != entry.digest:
-        # The plan is derived: writing it again gives back the committed document, or commits a new one.
-        raise RefusedError(
-            f"the plan file {stored} was edited after it was committed", hint=f"write it again: `python -m coopstudy plan {cfg.arguments}`"
-        )
+    old = planning.intact(cfg, entry, read.document)
     rerun = f"rerun the steps after it and commit the plan again (`python -m coopstudy study {cfg.arguments}`)"
     # The cheap checks first, each naming the files that changed: every
     # source that decides a number (sources.deciding_sources) is bound.

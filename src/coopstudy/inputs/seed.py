@@ -56,6 +56,10 @@ def resolve_seed(cfg: Config) -> Seed:
         path = _gguf_seed(model)
     else:
         path = _pretrained_seed(str(model.name_or_path))
+    if not (path / "config.json").is_file():
+        # A made seed thinned out by hand: its weights still hash as committed, and every
+        # later load of the model (bench, a training rank) would end in a traceback.
+        raise UserError(f"seed model {path}: no config.json", hint=remake_hint(path))
     sha, parameters = weights_digest(path)
     return Seed(path=path, sha256=sha, parameters=parameters)
 

@@ -152,7 +152,9 @@ def _make_folder(folder: Path) -> None:
 
 @contextlib.contextmanager
 def _folder_held(folder: Path) -> Iterator[None]:
-    """The report folder, written by one report at a time."""
+    """The report folder, written by one report at a time; made again where it
+    was removed while the record was read (minutes, from a remote server)."""
+    _make_folder(folder)
     with open(folder / WRITING_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
