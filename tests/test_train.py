@@ -366,25 +366,29 @@ def test_a_write_of_waiting_metrics_cut_short_keeps_the_rest_for_the_last_write(
     assert written == [1, 2, 2, 3] and not pending.waiting
 
 
-def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
-    # Before training a rank reads the record (the ledger's runs): MLflow raises its own error then.
+def _no_server(*args, **kwargs):
+    """MLflow's error where the server does not answer: its own, from requests' (not its cause)."""
     import requests
     from mlflow.exceptions import MlflowException
 
-    def no_server(*args, **kwargs):
-        try:
-            raise requests.exceptions.ConnectionError("HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded (Connection refused)")
-        except requests.exceptions.ConnectionError:
-            raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/search failed") from None
+    try:
+        raise requests.exceptions.ConnectionError("HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded (Connection refused)")
+    except requests.exceptions.ConnectionError:
+        raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/search failed") from None
 
-    monkeypatch.setattr(worker, "train", no_server)
+
+def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
+    # Before training a rank reads the record (the ledger's runs): MLflow raises its own error then.
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setattr(worker, "train", _no_server)
     _, code = _worker_main("compressed")
     assert code == 2
     assert capsys.readouterr().err.splitlines() == ["coopstudy worker (compressed, rank 0): the tracking server stopped answering (connection refused)"]
     # A stage's error that wraps it is said the same way.
     try:
         try:
-            no_server()
+            _no_server()
         except MlflowException as err:
             raise RefusedError("compressed arm failed") from err
     except RefusedError as wrapped:
@@ -395,17 +399,9 @@ def test_a_server_outage_as_a_rank_starts_is_one_line(monkeypatch, capsys):
 def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(capsys, left_one):
     # Rank 0 recorded its checkpoint and exited 0, then the server stopped answering
     # before the stage read the run back. Before, the stage failed the finished arm.
-    import requests
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
     from coopstudy.steps import train
-
-    def unreachable(*args, **kwargs):
-        try:
-            raise requests.exceptions.ConnectionError("Max retries exceeded (Connection refused)")
-        except requests.exceptions.ConnectionError:
-            raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/get failed") from None
 
     cfg = config.load("tiny", ["experiment=outage-as-the-ranks-exit"])
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control") as rec, pytest.MonkeyPatch.context() as mp:
@@ -416,7 +412,7 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
             if left_one:
                 kept.mkdir(parents=True)
                 rec.set_tags({schema.TAG_CHECKPOINT_SHA: "c" * 64, schema.TAG_CHECKPOINT_PATH: str(kept)})
-            mp.setattr(MlflowClient, "get_run", unreachable)
+            mp.setattr(MlflowClient, "get_run", _no_server)
             return launch.Exit(0, 1.5)
 
         mp.setattr(launch, "run", ranks_finished)
