@@ -189,7 +189,10 @@ def test_http_settings_mlflow_would_refuse_are_one_line_before_any_request(tmp_p
     done = _coopstudy(*command, env=_remote_env(remote_file, tmp_path / "home", **{name: value}))
     from mlflow import environment_variables
 
-    most = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": 10, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": environment_variables._MLFLOW_HTTP_REQUEST_MAX_BACKOFF_FACTOR_LIMIT.get()}
+    most = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 10,
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": environment_variables._MLFLOW_HTTP_REQUEST_MAX_BACKOFF_FACTOR_LIMIT.get(),
+    }
     takes = "at least 1" if name == "MLFLOW_HTTP_REQUEST_TIMEOUT" else f"from 0 to {most[name]}"
     said = f"coopstudy {step}: error: {name}={value!r}: MLflow takes a whole number {takes}; unset it for the study's {store.HTTP_DEFAULTS[name]}"
     assert (done.returncode, done.stderr.strip().splitlines()) == (2, [said]), done.stderr[-3000:]

@@ -111,8 +111,9 @@ def first_finished(cfg: Config, plan_sha: str, arm: str):
 
 def first_evaluation(cfg: Config, plan_sha: str):
     """The plan's first FINISHED evaluate run (the parent of a child per model
-    it scored; coopstudy.scored_by.<model> names those an earlier one had), or None. Its scores are the ones the screens read: the scoring code
-    is the plan's, so a later evaluation could only be a try for other numbers."""
+    it scored; coopstudy.scored_by.<model> names those an earlier one had), or
+    None. Its scores are the ones the screens read: the scoring code is the
+    plan's, so a later evaluation could only be a try for other numbers."""
     finished = [
         r
         for r in store.search_runs(

@@ -208,7 +208,9 @@ def intact(cfg: Config, entry: ledger.Entry, doc: Any) -> dict[str, Any]:
         raise doc
     if not isinstance(doc, dict) or digest(doc) != entry.digest:
         # The plan is derived: writing it again gives back the committed document, or commits a new one.
-        raise RefusedError(f"the plan file {path} was edited after it was committed", hint=f"write it again: `python -m coopstudy plan {cfg.arguments}`")
+        raise RefusedError(
+            f"the plan file {path} was edited after it was committed", hint=f"write it again: `python -m coopstudy plan {cfg.arguments}`"
+        )
     return doc
 
 
