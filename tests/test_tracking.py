@@ -276,6 +276,21 @@ def test_a_record_that_cannot_be_kept_during_an_outage_is_not_told_as_the_outage
     assert not outbox.is_outage(full.value)
 
 
+def test_an_outbox_its_own_process_delivers_while_remote_deliver_reads_it_is_delivered_not_a_traceback(monkeypatch):
+    run_id = "1" * 32
+    path = outbox.outbox_dir() / f"{run_id}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}) + "\n")
+    written_for = outbox._written_for
+
+    def delivered_meanwhile(found):
+        found.unlink()  # the run's own process delivered what waited and removed the file
+        return written_for(found)
+
+    monkeypatch.setattr(outbox, "_written_for", delivered_meanwhile)
+    assert outbox.deliver_all([]) == {run_id: (None, 0)}
+
+
 def test_remote_deliver_says_what_the_store_refused_and_delivers_nothing_of_it():
     run_id = "0" * 32  # a run this store does not have
     path = outbox.outbox_dir() / f"{run_id}.jsonl"

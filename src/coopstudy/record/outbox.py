@@ -621,6 +621,8 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[s
     done: dict[str, tuple[str | None, int]] = {}
     for path in paths:
         if not path.is_file():
+            if not run_ids:
+                continue  # delivered by its own run's process since the folder was read
             raise UserError(f"no outbox {path}: nothing waits for that run on this host")
         target = uri or _written_for(path)
         if target is None:  # no record in it: removed under the lock, as any delivered outbox
@@ -636,8 +638,12 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[s
 
 
 def _written_for(path: Path) -> str | None:
-    """The server the first record of an outbox was written for (None: no record)."""
-    lines = path.read_text(errors="replace").splitlines()
+    """The server the first record of an outbox was written for (None: no record,
+    or none left: its run's own process delivered them and removed the file)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
     for line in lines:
         try:
             record = json.loads(line)
