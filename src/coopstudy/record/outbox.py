@@ -358,6 +358,23 @@ def grace_s() -> float:
     return seconds
 
 
+def _parsed(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An outbox file's records, and its lines that are none (a process killed while writing one)."""
+    records, broken = [], []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("op"), str):
+            records.append(record)
+        else:
+            broken.append({"line": n, "text": line, "error": "not a record"})
+    return records, broken
+
+
 class Outbox:
     """One run's records that await the server, in order, in one JSONL file."""
 
@@ -445,17 +462,10 @@ class Outbox:
         try:
             with open(self.path, errors="replace") as fh:
                 fcntl.flock(fh, fcntl.LOCK_SH)
-                lines = fh.read().splitlines()
+                records, _ = _parsed(fh.read())
         except FileNotFoundError:
             return False
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and all(record.get(k) == v for k, v in fields.items()):
-                return True
-        return False
+        return any(all(record.get(k) == v for k, v in fields.items()) for record in records)
 
     def _went_away(self, err: BaseException) -> None:
         self._retry_at = time.monotonic() + self._interval
@@ -473,18 +483,7 @@ class Outbox:
         """The waiting records; a line that is none (a process killed while
         writing it) is put aside with the refused ones, not a stop for the rest."""
         fh.seek(0)
-        records, broken = [], []
-        for n, line in enumerate(fh.read().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and isinstance(record.get("op"), str):
-                records.append(record)
-            else:
-                broken.append({"line": n, "text": line, "error": "not a record"})
+        records, broken = _parsed(fh.read())
         if broken:
             with open(self.rejected, "a") as aside:
                 aside.writelines(json.dumps(b) + "\n" for b in broken)
