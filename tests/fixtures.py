@@ -192,6 +192,16 @@ def small_disk(tmp_path) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
+def store_locked(*args, **kwargs) -> None:
+    """Raise what MLflow raises once SQLite's 20-s wait for another process's lock is over."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        raise sqlite3.OperationalError("database is locked")
+    except sqlite3.OperationalError as err:
+        raise MlflowException("(sqlite3.OperationalError) database is locked") from err
+
+
 def fill_disk(disk: Path, leave_pages: int = 0) -> None:
     """Fill `disk` up, then free `leave_pages` pages of it."""
     fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)

@@ -1011,21 +1011,18 @@ def _a_fifo(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
+def _model_spoilt(tmp: Path, name: str, spoilt: bytes) -> str:
+    """A copy of the tiny seed's folder whose file `name` holds `spoilt`."""
+    (seed,) = (workspace.home() / "seeds").iterdir()
+    shutil.copytree(seed, tmp / "model")
+    (tmp / "model" / name).write_bytes(spoilt)
+    return str(tmp / "model")
+
+
 def _model_cut_short(tmp: Path) -> str:
     """The tiny seed's folder with its weights file cut to 20 bytes, as a
     failed download or a Git LFS pointer leaves it."""
-    (seed,) = (workspace.home() / "seeds").iterdir()
-    shutil.copytree(seed, tmp / "model")
-    (tmp / "model" / workspace.WEIGHTS_FILE).write_bytes(b"version https://git-")
-    return str(tmp / "model")
-
-
-def _model_with_a_spoilt_tokenizer(tmp: Path) -> str:
-    """The tiny seed's folder, whole but for its tokenizer file."""
-    (seed,) = (workspace.home() / "seeds").iterdir()
-    shutil.copytree(seed, tmp / "model")
-    (tmp / "model" / "tokenizer.json").write_text("{bad")
-    return str(tmp / "model")
+    return _model_spoilt(tmp, workspace.WEIGHTS_FILE, b"version https://git-")
 
 
 def _spoil_seed_config(remove: bool = False) -> None:
@@ -1131,7 +1128,7 @@ BAD_INPUT: dict[str, tuple[Callable[[Path], tuple[str, ...]], str]] = {
         "/model/model.safetensors is not a safetensors file (a Git LFS pointer, or cut short?)",
     ),
     "pretrained tokenizer spoilt": (
-        lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_with_a_spoilt_tokenizer(tmp)}"),
+        lambda tmp: ("prepare", "--preset", "tiny", "--set", "model.source=pretrained", f"model.name_or_path={_model_spoilt(tmp, 'tokenizer.json', b'{bad')}"),
         "seed model: the tokenizer in ",
     ),
     "replay source that is a folder": (

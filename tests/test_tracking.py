@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 from pathlib import Path
 
 import mlflow
 import yaml
 import pytest
-from fixtures import run_cli
+from fixtures import run_cli, store_locked
 
 from coopstudy import config, errors, workspace
 from coopstudy.errors import UserError
@@ -276,11 +275,17 @@ def test_a_record_that_cannot_be_kept_during_an_outage_is_not_told_as_the_outage
     assert not outbox.is_outage(full.value)
 
 
-def test_an_outbox_its_own_process_delivers_while_remote_deliver_reads_it_is_delivered_not_a_traceback(monkeypatch):
-    run_id = "1" * 32
+def _one_waiting(run_id: str) -> Path:
+    """An outbox of run `run_id` holding one metric, written for this study's store."""
     path = outbox.outbox_dir() / f"{run_id}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}) + "\n")
+    return path
+
+
+def test_an_outbox_its_own_process_delivers_while_remote_deliver_reads_it_is_delivered_not_a_traceback(monkeypatch):
+    run_id = "1" * 32
+    _one_waiting(run_id)
     written_for = outbox._written_for
 
     def delivered_meanwhile(found):
@@ -293,9 +298,7 @@ def test_an_outbox_its_own_process_delivers_while_remote_deliver_reads_it_is_del
 
 def test_remote_deliver_says_what_the_store_refused_and_delivers_nothing_of_it():
     run_id = "0" * 32  # a run this store does not have
-    path = outbox.outbox_dir() / f"{run_id}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"op": "batch", "metrics": [[schema.M_LOSS, 2.5, 0, 1]], "run_id": run_id, "uri": store.tracking_uri()}) + "\n")
+    path = _one_waiting(run_id)
     done = run_cli("remote", "deliver", run_id)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the server refused a waiting record" in done.stderr and "delivered" not in done.stderr, done.stderr
@@ -387,20 +390,12 @@ def test_a_stop_while_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivere
 def test_a_store_locked_as_a_stage_ends_its_run_leaves_the_end_waiting_to_be_delivered(capsys):
     # The end is the one write no later run takes over: the run stayed RUNNING
     # for good (a selection committed under it, select then refused to run again).
-    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from coopstudy import cli
 
-    def locked(self, run_id, status=None, end_time=None):
-        # As MLflow says it once SQLite's 20-s wait for another process's lock is over.
-        try:
-            raise sqlite3.OperationalError("database is locked")
-        except sqlite3.OperationalError as err:
-            raise MlflowException("(sqlite3.OperationalError) database is locked") from err
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(MlflowClient, "set_terminated", locked)
+        mp.setattr(MlflowClient, "set_terminated", store_locked)
         code = cli.main(["select", "--preset", "tiny"])  # refused (nothing trained), in a run of its own
     (run,) = store.search_runs("coopstudy", "attributes.run_name = 'select-tiny'")
     said = (f"coopstudy select: error: {store.locked_said()}; run it again once that process is done "

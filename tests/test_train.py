@@ -19,7 +19,7 @@ import time
 import mlflow
 import psutil
 import pytest
-from fixtures import LONG, PROJECT_RUN_TAG, ROOT, module_store
+from fixtures import LONG, PROJECT_RUN_TAG, ROOT, module_store, store_locked
 
 from coopstudy import config, errors, study, workspace
 from coopstudy.commit import sources
@@ -297,12 +297,18 @@ def test_a_stop_that_lands_inside_mlflows_write_is_one_line_not_mlflows_tracebac
     assert said.startswith("Stopped: stopped by SIGTERM"), said
 
 
-def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, capsys):
-    # Rank 0 has saved and verified the checkpoint; SIGTERM lands before its upload (as the
-    # gathers wait for the other ranks, or a rank that failed then stops them all).
+def _saves(monkeypatch) -> list:
+    """The checkpoints this process's worker saves, as it saves them."""
     saved = []
     save = checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda *args: saved.append(save(*args)) or saved[-1])
+    return saved
+
+
+def test_a_stop_after_the_checkpoint_was_saved_leaves_none_on_disk(monkeypatch, capsys):
+    # Rank 0 has saved and verified the checkpoint; SIGTERM lands before its upload (as the
+    # gathers wait for the other ranks, or a rank that failed then stops them all).
+    saved = _saves(monkeypatch)
     monkeypatch.setattr(worker, "_gather_peak_memory", lambda ctx: worker._on_sigterm(signal.SIGTERM, None))
     run, code = _worker_main("control")
     assert code == 128 + signal.SIGTERM, capsys.readouterr().err[-3000:]
@@ -318,9 +324,7 @@ def test_a_checkpoint_whose_upload_fails_goes_unless_the_upload_waits_for_it(mon
     # during training. Stopped midway: the upload waits in the outbox, which needs the folder.
     from mlflow.exceptions import MlflowException
 
-    saved = []
-    save = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda *args: saved.append(save(*args)) or saved[-1])
+    saved = _saves(monkeypatch)
     apply = outbox.apply
 
     def upload_fails(client, run_id, record):
@@ -405,7 +409,6 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
 
     cfg = config.load("tiny", ["experiment=outage-as-the-ranks-exit"])
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control") as rec, pytest.MonkeyPatch.context() as mp:
-
         kept = workspace.home() / workspace.CHECKPOINTS / rec.run_id
 
         def ranks_finished(cmd, env, *, label, held=None):
@@ -431,18 +434,7 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
 
 
 def test_a_store_locked_under_a_rank_is_one_line(monkeypatch, capsys):
-    import sqlite3
-
-    from mlflow.exceptions import MlflowException
-
-    def locked(*args, **kwargs):
-        # As MLflow says it once SQLite's 20-s wait for another process's lock is over.
-        try:
-            raise sqlite3.OperationalError("database is locked")
-        except sqlite3.OperationalError as err:
-            raise MlflowException("(sqlite3.OperationalError) database is locked") from err
-
-    monkeypatch.setattr(worker, "train", locked)
+    monkeypatch.setattr(worker, "train", store_locked)
     _, code = _worker_main("control")
     assert (code, capsys.readouterr().err.splitlines()) == (2, [f"coopstudy worker (control, rank 0): {store.locked_said()}"])
 

@@ -19,9 +19,8 @@ the project's modules the server loaded are dropped first, so the child
 imports them from wherever that path finds them. Where an entry that path
 adds is no folder (a zip), or holds a startup hook (sitecustomize,
 usercustomize) or a module of a name the server has loaded, the command
-runs fresh. Anything else runs
-fresh, and COOPSTUDY_TEST_FRESH=1 runs every command fresh
-(tests/test_front_door.py checks that both ways say the same).
+runs fresh. Anything else runs fresh, and COOPSTUDY_TEST_FRESH=1 runs every
+command fresh (tests/test_front_door.py checks that both ways say the same).
 """
 
 from __future__ import annotations
