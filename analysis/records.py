@@ -152,6 +152,12 @@ class Records:
     here), active_seconds, complete_seconds, cost_usd (each NaN when not
     logged), timed (the run select took, whose seconds the screens use). Every
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
+    elsewhere: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per train run of the same preset outside the study (under another
+    plan, else another config), whatever its status, oldest first: arm, run_id,
+    status, study (its plan sha, else its config sha), cost_usd (NaN when not
+    logged). Never timed here, but named: a study that trained again under a new
+    plan (a changed source or setting) does not hide the attempts before it."""
     evaluations: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per evaluate run of a model under the study's plan (else its key),
     whatever its status, oldest first: model, run_id, status, weights (the
@@ -326,6 +332,23 @@ def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[
     return pd.DataFrame(rows, columns=["arm", "run_id", "status", "started", "ended", "refused", *REQUIRED_RUN_METRICS, "cost_usd", "timed"])
 
 
+def _elsewhere(experiment: str, preset: str, key: StudyKey, plan_sha: str | None) -> pd.DataFrame:
+    """Every train run of `preset` outside the study (see Records.elsewhere)."""
+    tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
+    # The preset is read from the tags, not put in the filter: it is a file's name.
+    found = store.search_runs(experiment, f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}'", order_by=("attributes.start_time ASC",))
+    rows = [
+        {
+            "arm": run.data.tags.get(schema.TAG_ARM), "run_id": run.info.run_id, "status": run.info.status,
+            "study": run.data.tags.get(schema.TAG_PLAN) or run.data.tags.get(schema.TAG_CONFIG_SHA),
+            "cost_usd": run.data.metrics.get(schema.M_COST_USD, float("nan")),
+        }
+        for run in found
+        if run.data.tags.get(schema.TAG_PRESET) == preset and run.data.tags.get(schema.TAG_ARM) in ARMS and run.data.tags.get(tag) != value
+    ]  # fmt: skip
+    return pd.DataFrame(rows, columns=["arm", "run_id", "status", "study", "cost_usd"])
+
+
 def _utc(ms: int) -> str:
     """A run's start or end (MLflow's milliseconds) as ISO-8601 UTC to the millisecond, which sorts as it reads."""
     return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
@@ -495,6 +518,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         updates=updates,
         train=train,
         attempts=attempts,
+        elsewhere=_elsewhere(cfg.experiment, cfg.preset, key, plan_sha),
         evaluations=evaluations,
         cases=cases,
         retention=retention,

@@ -198,6 +198,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
             },
             "runs": dict(sorted(records.runs.items())),
             "train_attempts": records.attempts.to_dict("records"),
+            "train_runs_elsewhere": records.elsewhere.to_dict("records"),
             "evaluate_attempts": records.evaluations.to_dict("records"),
             "candidates": dict(sorted(records.candidates.items())),
             "thresholds": cfg.screens.model_dump(),
@@ -405,7 +406,24 @@ def attempts_line(report: dict[str, Any]) -> str:
     refused = {arm: n for arm in ARMS if (n := sum(a["arm"] == arm and a["refused"] for a in attempts))}
     if refused:
         said += f" Refused before training (counted apart): {', '.join(f'{arm} {n}' for arm, n in refused.items())}."
-    return " ".join(filter(None, (said, _order(attempts))))
+    return " ".join(filter(None, (said, _order(attempts), _elsewhere(report))))
+
+
+def _elsewhere(report: dict[str, Any]) -> str:
+    """The preset's train runs outside this study (another plan, else another
+    config), counted: a new plan is not a clean slate for the speed screens."""
+    runs, preset = report["train_runs_elsewhere"], report["study"]["preset"]
+    if not runs:
+        return f"No other study of preset {preset} trained an arm in this experiment."
+    studies = len({r["study"] for r in runs})
+    arms = ", ".join(f"{arm} {n}" for arm in ARMS if (n := sum(r["arm"] == arm for r in runs)))
+    finished = sum(r["status"] == "FINISHED" for r in runs)
+    cost = sum(r["cost_usd"] or 0.0 for r in runs)  # None: logged no cost
+    return (
+        f"Outside this study, {studies} other stud{'ies' if studies != 1 else 'y'} of preset {preset} trained "
+        f"{len(runs)} run{'s' * (len(runs) != 1)} ({arms}; {finished} finished), spending ${cost:.2f}: "
+        f"not timed here, listed in report.json (train_runs_elsewhere)."
+    )
 
 
 def _order(attempts: list[dict[str, Any]]) -> str:

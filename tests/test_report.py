@@ -710,12 +710,31 @@ def test_the_report_sets_what_the_study_spent_against_the_plans_allocation(capsy
     assert "Budget: no plan in this study's record" in out
 
 
-def test_train_runs_of_another_plan_of_the_same_config_are_not_this_studys_attempts(tiny):
+def test_train_runs_of_another_plan_are_not_this_studys_attempts_but_are_named(capsys, tiny, tmp_path):
+    # Before, a study that trained again under a new plan (a comment edited in a
+    # bound source is enough) showed nothing of the plan before it: its slower
+    # runs and what they spent were nowhere in the report.
     ids = make_study(tiny, plan=PLAN)
+    rc, out, _ = _report(capsys, "--out", str(tmp_path / "alone"))
+    assert rc == 0 and "No other study of preset tiny trained an arm in this experiment." in " ".join(out.split())
     other = _train(tiny, "compressed", active=10.0, complete=20.0, plan="cd" * 32)
+    with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control", tags={schema.TAG_PLAN: "ef" * 32}):
+        raise RuntimeError("rank 0 died")
     recs = records.load(tiny)
     assert recs.plan == PLAN and other not in set(recs.attempts["run_id"])
     assert sorted(recs.attempts["run_id"]) == sorted([ids["train/control"], ids["train/compressed"]])
+    assert list(recs.elsewhere["arm"]) == ["compressed", "control"] and recs.elsewhere["run_id"].iloc[0] == other
+    assert list(recs.elsewhere["study"]) == ["cd" * 32, "ef" * 32] and list(recs.elsewhere["status"]) == ["FINISHED", "FAILED"]
+    rc, out, err = _report(capsys, "--out", str(tmp_path / "beside"))
+    assert rc == 0, err
+    said = (
+        "Outside this study, 2 other studies of preset tiny trained 2 runs (control 1, compressed 1; 1 finished), "
+        "spending $0.04: not timed here, listed in report.json (train_runs_elsewhere)."
+    )
+    assert said in " ".join(out.split())
+    report = json.loads(next((tmp_path / "beside").rglob(schema.ART_REPORT_JSON)).read_text())
+    assert [r["run_id"] for r in report["train_runs_elsewhere"]][0] == other
+    assert said in next((tmp_path / "beside").rglob("report.md")).read_text()
 
 
 def test_plan_argument_must_be_a_sha(tiny):

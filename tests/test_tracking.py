@@ -13,7 +13,7 @@ from fixtures import run_cli, store_locked
 
 from coopstudy import config, errors, workspace
 from coopstudy.errors import UserError
-from coopstudy.record import outbox, schema, store, writer
+from coopstudy.record import outbox, remote, schema, store, writer
 from coopstudy.run import worker
 
 
@@ -286,14 +286,14 @@ def _one_waiting(run_id: str) -> Path:
 def test_an_outbox_its_own_process_delivers_while_remote_deliver_reads_it_is_delivered_not_a_traceback(monkeypatch):
     run_id = "1" * 32
     _one_waiting(run_id)
-    written_for = outbox._written_for
+    written_for = remote._written_for
 
     def delivered_meanwhile(found):
         found.unlink()  # the run's own process delivered what waited and removed the file
         return written_for(found)
 
-    monkeypatch.setattr(outbox, "_written_for", delivered_meanwhile)
-    assert outbox.deliver_all([]) == {run_id: (None, 0)}
+    monkeypatch.setattr(remote, "_written_for", delivered_meanwhile)
+    assert remote.deliver_all([]) == {run_id: (None, 0)}
 
 
 def test_remote_deliver_says_what_the_store_refused_and_delivers_nothing_of_it():

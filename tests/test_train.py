@@ -24,7 +24,7 @@ from fixtures import LONG, PROJECT_RUN_TAG, ROOT, module_store, store_locked
 from coopstudy import config, errors, study, workspace
 from coopstudy.commit import sources
 from coopstudy.errors import RefusedError
-from coopstudy.record import outbox, schema, store, writer
+from coopstudy.record import outbox, remote, schema, store, writer
 from coopstudy.run import checkpoint, launch, lock, worker
 
 pytestmark = pytest.mark.slow
@@ -347,7 +347,7 @@ def test_a_checkpoint_whose_upload_fails_goes_unless_the_upload_waits_for_it(mon
     rec = writer.Recorder(run.info.run_id)
     assert kept.folder.is_dir() and rec.waits_to_upload(kept.folder)
     monkeypatch.setattr(outbox, "apply", apply)
-    outbox.deliver_all([run.info.run_id])
+    remote.deliver_all([run.info.run_id])
     assert not rec.waits_to_upload(kept.folder)
     assert store.client().list_artifacts(run.info.run_id, schema.ART_CHECKPOINT)
 

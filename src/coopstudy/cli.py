@@ -46,7 +46,7 @@ STUDY_STAGES = steps_pkg.ORDER
 """The steps a study runs, in protocol order (`--help` lists them so)."""
 STEPS = (*STUDY_STAGES, schema.STAGE_STUDY)
 """Every step command: the study's, then `study`, which runs them all."""
-TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.outbox"}
+TOOLS = {"bench": "coopstudy.bench", "dev-split": "coopstudy.devsplit", "remote": "coopstudy.record.remote"}
 SUBCOMMAND_DESTS = ("bench", "command")
 """Where `bench` and `remote` keep their subcommand: a refusal names it as the parser does."""
 DEFAULT_PRESET = "smollm2-135m-cpu"

@@ -19,7 +19,7 @@ from typing import Any
 from coopstudy import config as config_mod
 from coopstudy import workspace
 from coopstudy.errors import INTERRUPTED, UserError, os_error_said
-from coopstudy.record import outbox, schema, store
+from coopstudy.record import outbox, remote, schema, store
 
 RUN_NAME_TAG = "mlflow.runName"
 """MLflow's tag of a run's name, set where the run was opened by another (`mlflow run`)."""
@@ -48,7 +48,7 @@ class Recorder:
     """Writes to one run by id; safe to use from any process.
 
     Tags, params, metrics, text artifacts, uploads and the run's end go through
-    the run's outbox (coopstudy.outbox.Outbox): while the server does not
+    the run's outbox (coopstudy.record.outbox.Outbox): while the server does not
     answer they wait on disk, in order, and the work goes on."""
 
     def __init__(self, run_id: str):
@@ -213,7 +213,7 @@ def stage_run(
     if store.is_http(uri):
         # Before any work: a dead server, refused credentials or an experiment we
         # may not write stop the stage here, in seconds, with one line.
-        outbox.preflight(uri, exp_name)
+        remote.preflight(uri, exp_name)
     mlflow.set_tracking_uri(uri)
     # The run's records wait in the home's outbox: a home that cannot be used, or
     # a grace to wait for them that is no number, is refused before the run
