@@ -259,6 +259,9 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
         # Undeclared, though the command's step has such an option: not obeyed, nor --help printed.
         ("main", ("-P", "preset=tiny", "-P", "through=prepare"), "-P through: not a parameter of entry point main (it takes -P overrides, -P preset)"),
         ("verify", ("-P", "preset=tiny", "-P", "help=1"), "-P help: not a parameter of entry point verify (it takes -P overrides, -P preset)"),
+        # Before, an option the command gives itself was taken as declared: the later --through won.
+        ("train", ("-P", "preset=tiny", "-P", "through=report"), "-P through: not a parameter of entry point train (it takes -P arm, -P overrides, -P preset)"),
+        ("probe", ("-P", "preset=tiny", "-P", "plan=1"), "-P plan: not a parameter of entry point probe (it takes -P overrides, -P preset)"),
         # A value the parser refuses is refused as the others are, mlflow run's run marked too.
         # ... and said as the -P that gave it.
         ("train", ("-P", "preset=tiny", "-P", "arm=nosuch"),
@@ -268,6 +271,7 @@ def test_a_stores_artifacts_lie_beside_its_database_wherever_the_command_starts(
          "-P overrides: '--dry-run' starts with '-': a parameter gives a value, not an option (entry point prepare of MLproject)"),
     ],
     ids=["an unknown -P name", "an unknown -P name of main", "an unknown -P name of train", "an unknown preset", "-P of an option not declared", "-P help",
+         "-P of an option the command gives", "-P of a flag the command gives",
          "a -P value the parser refuses", "a -P value that reads as an option"],  # fmt: skip
 )
 def test_a_refusal_through_mlflow_run_is_one_line_and_names_mlflow_runs_run(project, entry, params, said):

@@ -347,27 +347,26 @@ def _as_parameters(step: str | None, err: _BadArguments) -> str:
 
 
 def _undeclared(step: str | None, argv: list[str]) -> str | None:
-    """Under `mlflow run`: options that no part of the entry point's command
-    gave. MLflow turns a -P NAME=VALUE the entry point does not declare into
-    --NAME VALUE, which the parser would obey where NAME is an option
-    (`-P through=prepare`, `-P help=1`): said as the user wrote it."""
+    """Under `mlflow run`: options after the entry point's command. MLflow
+    turns a -P NAME=VALUE the entry point does not declare into --NAME VALUE
+    after it, which the parser would obey where NAME is an option, even one
+    the command gives itself (`-P through=report` on train, `-P help=1`):
+    said as the user wrote it."""
     launched = _started_entry(step)
     if launched is None:
         return None
     entry, spec = launched
-    command = str(spec.get("command", ""))
     # The command's words fill argv's first places, each {parameter} one word
     # (MLflow quotes the value); a value that reads as an option is the
     # user's, and is said as the -P that gave it, not as an undeclared one.
-    template = command.split()[3:]
-    if len(argv) >= len(template):
-        for slot, word in zip(template, argv):
-            name = re.fullmatch(r"\{(\w+)\}", slot)
-            if name and word.startswith("-"):
-                return f"-P {name[1]}: {word!r} starts with '-': a parameter gives a value, not an option (entry point {entry} of MLproject)"
-        argv = argv[len(template) :]
-    given = set(re.findall(r"--[\w-]+", command))
-    extra = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in given]
+    template = str(spec.get("command", "")).split()[3:]
+    slots = [re.fullmatch(r"\{(\w+)\}", slot) for slot in template]
+    if len(argv) < len(template) or any(not name and slot != word for slot, name, word in zip(template, slots, argv)):
+        return None  # not the entry point's command line: typed by hand
+    for name, word in zip(slots, argv):
+        if name and word.startswith("-"):
+            return f"-P {name[1]}: {word!r} starts with '-': a parameter gives a value, not an option (entry point {entry} of MLproject)"
+    extra = [a.split("=", 1)[0][2:] for a in argv[len(template) :] if a.startswith("--")]
     return _not_parameters(entry, spec, extra) if extra else None
 
 
