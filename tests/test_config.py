@@ -95,6 +95,18 @@ def test_overrides_are_typed():
         ("probe.updates=2", "probe.updates: 2 update(s) leave a compressed probe no compressed update, and its memory none of PowerSGD's"),
         # Hints load the config again as `--preset NAME`: renamed, they would load another preset.
         ("preset=smollm2-135m-cpu", "override 'preset=smollm2-135m-cpu': a config's name is the preset it loads"),
+        # Before, each of these was taken as YAML 1.1 read it, unseen: `run #3` as `run`,
+        # 010 as 8, 0x10 as 16, 1:2 as 62; a later --set of a key won over the first.
+        ("experiment=run #3", "override 'experiment=run #3': YAML reads ' #' as a comment and would drop it; put the value in quotes"),
+        ("train.updates=010", "override 'train.updates=010': YAML reads '010' as 8; write the number in decimal, or put it in quotes to mean text"),
+        ("train.updates=0x10", "YAML reads '0x10' as 16"),
+        ("experiment=1:2", "YAML reads '1:2' as 62"),
+        ("train.lr=1:2.5", "YAML reads '1:2.5' as 62.5"),
+        (("train.lr=1e-4", "train.lr=2e-4"), "override 'train.lr=2e-4': train.lr is given twice (first 'train.lr=1e-4')"),
+        # Before, a traceback from MLflow's store (a surrogate cannot be encoded), or an experiment named so.
+        ('experiment="\\udcff"', "experiment: a name with a character that is not printable text (got '\\udcff')"),
+        ('experiment="a\\nb"', "experiment: a name with a character that is not printable text (got 'a\\nb')"),
+        ('experiment="a\\0b"', "experiment: a name with a character that is not printable text"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -103,6 +115,11 @@ def test_bad_values_name_the_key(override, key):
     message = str(err.value)
     assert key in message
     assert "\n" not in message
+
+
+def test_what_yaml_reads_as_the_value_shown_is_taken():
+    cfg = config.load("tiny", ["train.updates=1_000", 'experiment="run #3"', "data.families=[gcd, products]", "train.lr=0.5e-3"])
+    assert (cfg.train.updates, cfg.experiment, cfg.data.families) == (1000, "run #3", ("gcd", "products"))
 
 
 def test_a_list_item_read_as_a_number_gets_no_set_form_for_its_place():
@@ -150,6 +167,15 @@ def test_a_preset_file_is_named_again_by_its_path(tmp_path):
     # The hints' `--preset` must load it again: the file, whatever name it gives itself.
     assert (cfg.preset, cfg.preset_argument) == ("exp1", str(mine))
     assert config.load("tiny").preset_argument == "tiny"
+
+
+def test_a_preset_file_that_names_itself_with_a_number_is_told_to_quote_it_in_the_file(tmp_path):
+    # Before, the line also offered `--set 'preset="..."'`, which is then refused: --set takes no preset.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((workspace.project_root() / "configs" / "tiny.yaml").read_text() + "preset: 5\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(str(mine))
+    assert str(err.value).endswith("preset: Input should be a valid string (got 5); YAML read it as a number: put it in quotes to mean text")
 
 
 def test_overrides_in_one_word_may_hold_values_with_spaces(cli):

@@ -8,6 +8,7 @@ gives the dotted-key dict that is logged whole as MLflow params.
 from __future__ import annotations
 
 import difflib
+import re
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -437,12 +438,33 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
             problem = getattr(err, "problem", None) or type(err).__name__
             raise ConfigError(f"override {item!r}: {raw.strip()!r} is not a YAML list or mapping ({problem}); close its brackets") from None
         value = raw
+    _check_read_as_typed(item, raw, value)
     return key.strip().split("."), value
 
 
+_DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9_]*)")
+
+
+def _check_read_as_typed(item: str, raw: str, value: Any) -> None:
+    """Refuse a value YAML 1.1 reads as something other than what it shows: a
+    comment cut off (`run #3` is `run`), an octal, hex or base-60 number (`010`
+    is 8, `1:20` is 80). A preset file is the user's YAML; a --set is a word."""
+    if "#" in raw and "#" not in str(value):
+        raise ConfigError(f"override {item!r}: YAML reads ' #' as a comment and would drop it; put the value in quotes (--set 'KEY=\"...\"')")
+    shown = raw.strip()
+    odd_int = isinstance(value, int) and not isinstance(value, bool) and not _DECIMAL_INT.fullmatch(shown)
+    if odd_int or (isinstance(value, float) and ":" in shown):
+        raise ConfigError(f"override {item!r}: YAML reads {shown!r} as {value!r}; write the number in decimal, or put it in quotes to mean text")
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    given: dict[tuple[str, ...], str] = {}
     for item in overrides:
         path, value = _parse_override(item)
+        if tuple(path) in given:
+            # As a preset that names a key twice (_OnceEach): the later would win unseen.
+            raise ConfigError(f"override {item!r}: {'.'.join(path)} is given twice (first {given[tuple(path)]!r})")
+        given[tuple(path)] = item
         if path == ["preset"]:
             # Hints rebuild a config as `--preset NAME --set ...`: a renamed one would load another file.
             raise ConfigError(f"override {item!r}: a config's name is the preset it loads (or a preset file's own `preset:` key), not an override")
@@ -492,7 +514,7 @@ def _describe(err: ValidationError) -> str:
         # list item's place is no key --set takes.
         kind = "true/false" if isinstance(given, bool) else "a number"
         shown += f"; YAML read it as {kind}: put it in quotes to mean text"
-        if all(isinstance(p, str) for p in first["loc"]):
+        if all(isinstance(p, str) for p in first["loc"]) and loc != "preset":  # --set takes no preset
             shown += f" (with --set, inside the shell's word: --set '{loc}=\"...\"')"
     return f"{loc}: {msg}{shown}"
 
@@ -550,6 +572,10 @@ def check_name(value: str) -> str:
         raise ValueError("an empty name")
     if value != value.strip():
         raise ValueError("a name with spaces at its ends")
+    if not value.isprintable():
+        # A newline or NUL would split or end the name in MLflow's store; a lone surrogate
+        # (bytes that are not UTF-8, as the shell passed them) cannot be stored at all.
+        raise ValueError("a name with a character that is not printable text")
     return value
 
 
