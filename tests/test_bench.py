@@ -12,6 +12,7 @@ import os
 import re
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -21,7 +22,7 @@ from rich.console import Console
 from coopstudy import config, machine
 from coopstudy.bench import arms, generate, objective
 from coopstudy.errors import RefusedError
-from coopstudy.inputs import tasks
+from coopstudy.inputs import seed, tasks
 from coopstudy.numerics import flops, update
 from coopstudy.record import schema, store
 from coopstudy.run import launch, lock
@@ -262,3 +263,11 @@ def test_bench_generate_cases_are_none_of_the_final_tests_and_follow_the_family_
     shaped = generate.generation_cases(config.load("tiny", ["data.family_options={gcd: {min_numbers: 3, max_numbers: 3}}"]), 2 * len(d.families))
     changed = {c["family"] for c, s in zip(cases, shaped) if c["entry"]["question"] != s["entry"]["question"]}
     assert changed == {"gcd"}
+
+
+def test_bench_objective_on_prepared_documents_refuses_before_it_makes_the_seed(cli):
+    # Before, the seed was made first (on a GGUF preset, minutes of conversion), then refused.
+    done = cli("bench", "objective", "--preset", "tiny", "--documents", "prepared")
+    assert done.returncode == 2
+    assert "no inputs commitment" in done.stderr and "run `python -m coopstudy prepare --preset tiny` first" in done.stderr, done.stderr
+    assert not (Path(os.environ["COOPSTUDY_HOME"]) / seed.SEEDS).exists()

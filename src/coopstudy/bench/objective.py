@@ -54,12 +54,18 @@ def synthetic_documents(cfg: Config, vocab_size: int, seed: int = 0) -> tuple[li
     return docs, [order[k * g : (k + 1) * g] for k in range(cfg.train.updates)]
 
 
-def _documents(cfg: Config, source: str, vocab_size: int) -> tuple[Sequence, list[list[int]], str]:
+def _prepared(cfg: Config, source: str) -> tuple[Sequence, list[list[int]], str] | None:
+    """The prepared inputs where they are asked for or committed, else None.
+    Checked before the seed is loaded (on a GGUF preset, minutes of conversion)."""
     if source == "prepared" or (source == "auto" and ledger.Ledger().latest(ledger.INPUTS, data.inputs_key(cfg))):
         # Inputs committed but failing their check are refused, never swapped
         # for synthetic ones under a note that says there are none.
         prepared = require.inputs(cfg)
         return prepared.train, prepared.schedule, f"prepared inputs {prepared.digest[:12]}"
+    return None
+
+
+def _synthetic(cfg: Config, source: str, vocab_size: int) -> tuple[Sequence, list[list[int]], str]:
     if source == "auto":
         note = "synthetic (this preset has no prepared inputs; run prepare to use them)"
     else:
@@ -84,8 +90,9 @@ def measure(cfg: Config, *, updates: int, source: str, console: Console) -> dict
 
 def _measure(cfg: Config, *, updates: int, source: str, console: Console, held: lock.Held) -> dict[str, float]:
     torch.set_num_threads(cfg.train.threads_per_device)
+    prepared = _prepared(cfg, source)
     lm = _load_seed(cfg)
-    docs, schedule, note = _documents(cfg, source, lm.config.vocab_size)
+    docs, schedule, note = prepared or _synthetic(cfg, source, lm.config.vocab_size)
     precision = objective.Precision.of(cfg.train.precision)
     microbatch = cfg.arms.control.microbatch
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
