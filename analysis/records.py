@@ -203,6 +203,13 @@ def _selected_train_run(client, select_run, arm: str, key: StudyKey):
     run = client.get_run(run_id)
     if run.info.status != "FINISHED" or run.data.tags.get(key.tag) != key.value:
         raise RefusedError(f"the select run names train run {run_id} for arm {arm}, but it is {run.info.status}, not a FINISHED run under {key}")
+    stage, trained_arm = run.data.tags.get(schema.TAG_STAGE), run.data.tags.get(schema.TAG_ARM)
+    if (stage, trained_arm) != (schema.STAGE_TRAIN, arm):
+        # Arms swapped in select's tags, weights and all, would invert both speed screens.
+        raise RefusedError(
+            f"the select run names run {run_id} for arm {arm}, but it is a {stage} run of arm {trained_arm}: "
+            "the record disagrees with the selection, which is made once per plan; run the study under a new plan"
+        )
     trained, committed = run.data.tags.get(schema.TAG_CHECKPOINT_SHA), tags.get(schema.TAG_CANDIDATE_PREFIX + arm)
     if trained != committed:
         raise RefusedError(

@@ -23,6 +23,7 @@ from analysis import report as rep
 from analysis import screens as sc
 from coopstudy import cli as cli_main
 from coopstudy import config
+from coopstudy.config import ARMS
 from coopstudy.commit import sources
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.record import schema, store, writer
@@ -539,8 +540,15 @@ def test_the_timed_train_runs_are_the_ones_select_committed(tiny):
     _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": None})
     with pytest.raises(RefusedError, match=r"select run \w+ names no train run for arm control \(no coopstudy.candidate_run.control tag\): the record disagrees with the selection"):
         records.load(tiny)
-    _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "control": ids["train/compressed"]})
-    with pytest.raises(RefusedError, match=f"train run {ids['train/compressed']} of arm control left weights c1c1c1c1c1c1, but select run \\w+ committed "):
+    # Before, the arms swapped, weights and all, were taken: each speed screen inverted.
+    swapped = {schema.TAG_CANDIDATE_RUN_PREFIX + "control": ids["train/compressed"], schema.TAG_CANDIDATE_RUN_PREFIX + "compressed": ids["train/control"]}
+    _newer_select(tiny, ids, **swapped, **{schema.TAG_CANDIDATE_PREFIX + arm: CANDIDATE[other] for arm, other in zip(ARMS, ARMS[::-1])})
+    with pytest.raises(RefusedError, match=f"the select run names run {ids['train/compressed']} for arm control, but it is a train run of arm compressed: "):
+        records.load(tiny)
+    with writer.stage_run(schema.STAGE_TRAIN, tiny, arm="compressed", tags={schema.TAG_CHECKPOINT_SHA: "c9" * 32}) as rec:
+        pass
+    _newer_select(tiny, ids, **{schema.TAG_CANDIDATE_RUN_PREFIX + "compressed": rec.run_id})
+    with pytest.raises(RefusedError, match=f"train run {rec.run_id} of arm compressed left weights c9c9c9c9c9c9, but select run \\w+ committed "):
         records.load(tiny)
 
 
