@@ -145,7 +145,7 @@ def paired_outcomes(cases: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
 
 def _paired_accuracy(cases: pd.DataFrame, a: str, b: str, level: float) -> tuple[stats.PairedTable, stats.Interval, stats.Interval]:
     pairs = paired_outcomes(cases, a, b)
-    table = stats.paired_table([bool(x) for x in pairs[a]], [bool(x) for x in pairs[b]])
+    table = stats.paired_table(list(pairs[a]), list(pairs[b]))  # its own guard refuses what is not a bool
     return table, stats.tango_interval(table, level), stats.newcombe_interval(table, level)
 
 

@@ -88,6 +88,16 @@ def test_partial_credit_is_not_correct():
     assert not s.passed
 
 
+@pytest.mark.parametrize("given", [0.5, float("nan")])
+def test_a_correct_column_that_is_not_boolean_is_refused_not_taken_as_truthy(given):
+    # Before, the screen made each value a bool first: 0.5 and NaN counted as correct.
+    cases = _cases({"seed": [False] * 20, "control": [False] * 20, "compressed": [False] * 20})
+    cases["correct"] = cases["correct"].astype(object)
+    cases.loc[(cases["model"] == "compressed") & (cases["case_id"] == "c3"), "correct"] = given
+    with pytest.raises(TypeError, match=f"= {given!r} is not a bool"):
+        sc.accuracy_gain(cases, CFG)
+
+
 # --- screen 3: non-inferiority against the control ---------------------------
 
 
