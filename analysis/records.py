@@ -451,6 +451,20 @@ INPUT_SECTIONS = ("conversations", "split", "checks", "counts")
 retention come from, how they were split, the overlap checks, the counts."""
 
 
+def _check_complete(cases: pd.DataFrame, retention: pd.DataFrame, inputs: dict[str, Any] | None) -> None:
+    """Every test case and retention document prepare made is scored: tables cut
+    short alike pair with each other, and the screens would judge a subset."""
+    counts = (inputs or {}).get("counts") or {}
+    for frame, what, key in ((cases, "final test", "test"), (retention, "retention probes", "retention")):
+        made = counts.get(key)
+        scored = int(frame.groupby("model").size().iloc[0])  # the same for every model, once paired
+        if made is not None and scored != made:
+            raise RefusedError(
+                f"{what}: the models were scored on {scored} items, but prepare run {inputs['prepare_run']} made {made}: "
+                "the screens would judge a part of the set; evaluate again under a new plan"
+            )
+
+
 def _inputs(train_runs: dict[str, Any], experiment: str) -> dict[str, Any] | None:
     """The manifest sections of the prepare run that committed the inputs both
     train runs required, or None when the record does not hold it."""
@@ -516,6 +530,8 @@ def load(cfg: Config, plan: str | None = None) -> Records:
     retention = pd.concat([_retention_table(m, rid) for m, rid in eval_ids.items()], ignore_index=True)
     _check_paired(cases, "case_id", "final test")
     _check_paired(retention, "doc_id", "retention probes")
+    inputs = _inputs(train_runs, cfg.experiment)
+    _check_complete(cases, retention, inputs)
 
     return Records(
         key=key,
@@ -529,7 +545,7 @@ def load(cfg: Config, plan: str | None = None) -> Records:
         evaluations=evaluations,
         cases=cases,
         retention=retention,
-        inputs=_inputs(train_runs, cfg.experiment),
+        inputs=inputs,
         budget=planned.get("budget") if planned else None,
         spent={stage: budget.stage_spent(cfg.experiment, plan_sha, stage) for stage in budget.SPENDING_STAGES} if plan_sha else {},
     )

@@ -129,15 +129,24 @@ MANIFEST = {
     },
     "checks": {"test_questions_in_training": 0, "retention_in_replay": 0, "replay_sharing_topic_with_retention": 0,
                "replay_sharing_13gram_with_retention": 0},
-    "counts": {"train": 64, "tasks": 48, "replay": 16, "retention": 8, "test": 200},
+    "counts": {"train": 64, "tasks": 48, "replay": 16, "retention": 9, "test": 200},
 }
 INPUTS = "1e" * 32
 
 
-def _prepare_run(cfg) -> str:
+def _prepare_run(cfg, manifest: dict | None = None) -> str:
     with writer.stage_run(schema.STAGE_PREPARE, cfg, tags={schema.TAG_INPUTS: INPUTS}) as rec:
-        rec.log_dict(MANIFEST, schema.ART_MANIFEST)
+        rec.log_dict(manifest or MANIFEST, schema.ART_MANIFEST)
     return rec.run_id
+
+
+@pytest.mark.parametrize(("key", "said"), [("test", "final test: the models were scored on 200 items"), ("retention", "retention probes: the models were scored on 9 items")])
+def test_tables_that_score_part_of_what_prepare_made_are_refused(tiny, key, said):
+    # Before, tables cut short alike paired with each other: the screens judged a part of the set.
+    make_study(tiny, prepared=False)
+    made = _prepare_run(tiny, MANIFEST | {"counts": MANIFEST["counts"] | {key: MANIFEST["counts"][key] + 56}})
+    with pytest.raises(RefusedError, match=f"{said}, but prepare run {made} made {MANIFEST['counts'][key] + 56}: the screens would judge a part"):
+        records.load(tiny)
 
 
 def make_study(
