@@ -21,7 +21,7 @@ from analysis import screens as sc
 from analysis.records import BREAKDOWN, BREAKDOWN_JSON, MODELS, Records
 from analysis.screens import evaluate_role
 from coopstudy import config as config_mod
-from coopstudy.config import ARMS, Config
+from coopstudy.config import ARMS, Config, ScreensConfig
 from coopstudy.errors import ConfigError
 from coopstudy.record import schema, store
 
@@ -182,6 +182,14 @@ def _differs_from_preset(cfg: Config) -> dict[str, dict[str, str]] | str:
     return {key: {"preset": preset.get(key, "(none)"), "study": value} for key, value in own.items() if preset.get(key) != value}
 
 
+def _off_protocol(cfg: Config) -> dict[str, dict[str, float]]:
+    """The screens' thresholds that are not the protocol's (ScreensConfig's
+    defaults): a preset file may set its own, and its report would otherwise
+    say "every setting is the preset's own" under a verdict the protocol would not give."""
+    protocol, study = ScreensConfig().model_dump(), cfg.screens.model_dump()
+    return {f"screens.{key}": {"protocol": value, "study": study[key]} for key, value in protocol.items() if study[key] != value}
+
+
 def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, Any]:
     """Every screen's value, bound, threshold, method, verdict and run ids, and the figures beside."""
     return _plain(
@@ -195,6 +203,7 @@ def build(records: Records, screens: list[sc.Screen], cfg: Config) -> dict[str, 
                 "plan_sha256": records.plan,
                 "config_sha256": store.config_sha256(cfg),
                 "differs_from_preset": _differs_from_preset(cfg),
+                "thresholds_off_protocol": _off_protocol(cfg),
             },
             "runs": dict(sorted(records.runs.items())),
             "train_attempts": records.attempts.to_dict("records"),
@@ -491,15 +500,22 @@ def _title(report: dict[str, Any]) -> str:
 
 
 def preset_line(report: dict[str, Any]) -> str:
-    """Which of the preset's settings the study changed, in one sentence."""
+    """Which of the preset's settings the study changed, and which screen
+    thresholds are not the protocol's, in a sentence each."""
     study = report["study"]
     differs = study["differs_from_preset"]
     if isinstance(differs, str):
-        return f"Which settings differ from preset {study['preset']}'s cannot be told: {differs}."
-    if not differs:
-        return f"Every setting is preset {study['preset']}'s own."
-    changes = "; ".join(f"{key} {d['preset']} -> {d['study']}" for key, d in sorted(differs.items()))
-    return f"Settings that differ from preset {study['preset']}'s file (--set): {changes}."
+        said = f"Which settings differ from preset {study['preset']}'s cannot be told: {differs}."
+    elif not differs:
+        said = f"Every setting is preset {study['preset']}'s own."
+    else:
+        changes = "; ".join(f"{key} {d['preset']} -> {d['study']}" for key, d in sorted(differs.items()))
+        said = f"Settings that differ from preset {study['preset']}'s file (--set): {changes}."
+    off = study["thresholds_off_protocol"]
+    if not off:
+        return f"{said} Every screen's threshold is the protocol's (STUDY.md)."
+    changes = "; ".join(f"{key} {d['study']:g} (the protocol's {d['protocol']:g})" for key, d in sorted(off.items()))
+    return f"{said} Screen thresholds other than the protocol's, as the plan committed them: {changes}; the verdicts are judged by these."
 
 
 def _verdict_line(report: dict[str, Any]) -> str:

@@ -465,7 +465,25 @@ def test_a_preset_given_as_a_file_is_compared_with_that_file(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads((tmp_path / "out" / "report.json").read_text())["study"]["differs_from_preset"] == {}
-    assert "Every setting is preset mytiny's own." in " ".join(out.split())
+    assert "Every setting is preset mytiny's own. Every screen's threshold is the protocol's (STUDY.md)." in " ".join(out.split())
+
+
+def test_a_preset_with_thresholds_of_its_own_says_which_beside_the_verdicts(capsys, tmp_path):
+    # Before, a preset file that eased a screen said only "Every setting is preset P's own".
+    path = tmp_path / "easy.yaml"
+    path.write_text((ROOT / "configs" / "tiny.yaml").read_text() + "screens:\n  min_speedup: 1.0\n  retention_level: 0.9\n")
+    make_study(config.load(str(path)))
+    rc = cli_main.main(["report", "--preset", str(path), "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    study = json.loads((tmp_path / "out" / "report.json").read_text())["study"]
+    assert study["differs_from_preset"] == {}
+    assert study["thresholds_off_protocol"] == {
+        "screens.min_speedup": {"protocol": 1.1, "study": 1.0}, "screens.retention_level": {"protocol": 0.99, "study": 0.9},
+    }
+    said = ("Every setting is preset easy's own. Screen thresholds other than the protocol's, as the plan committed them: "
+            "screens.min_speedup 1 (the protocol's 1.1); screens.retention_level 0.9 (the protocol's 0.99); the verdicts are judged by these.")
+    assert said in " ".join(out.split()) and said in (tmp_path / "out" / schema.ART_REPORT_MD).read_text()
 
 
 def test_missing_role_is_refused_by_name(capsys, tiny):

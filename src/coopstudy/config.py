@@ -273,7 +273,8 @@ class ScreensConfig(_Section):
     """Thresholds of the pre-registered screens, bounded so that no setting
     passes every run: an accuracy difference lies in [-1, 1], a speedup above
     0, and a confidence level below a half puts the bound on the wrong side
-    of the estimate (one-sided) or shrinks the interval onto it."""
+    of the estimate (one-sided) or shrinks the interval onto it. The defaults
+    are the protocol's (STUDY.md): the report names any a study changed."""
 
     min_accuracy_gain: float = Field(0.10, gt=-1, lt=1)
     retention_max_nll_increase: float = Field(0.02, le=1)
