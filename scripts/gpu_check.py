@@ -41,6 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from coopstudy import workspace
+from coopstudy.inputs.seed import SEEDS
+from coopstudy.record import schema
+from coopstudy.record.store import DEFAULT_EXPERIMENT
+from coopstudy.run.launch import EXPANDABLE
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PRESET = "smollm2-135m-cpu"
 PROBE_CANDIDATES = (
@@ -100,7 +106,7 @@ def packed_against_reference(device: str, precision: str) -> tuple[float, float]
 
 
 def cli(store: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COOPSTUDY_HOME": str(store / "home"), "MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"}
+    env = {**os.environ, workspace.HOME_VARIABLE: str(store / "home"), "MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"}
     env.pop("MLFLOW_RUN_ID", None)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "coopstudy", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -110,17 +116,15 @@ def cli(store: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     return done
 
 
-def _runs(store: Path, name: str):
+def _runs(folder: Path, name: str):
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("coopstudy")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(DEFAULT_EXPERIMENT)
     return client, client.search_runs([exp.experiment_id], f"attributes.run_name = '{name}'")
 
 
 def check_control(store: Path, preset: str, updates: int, checks: Checks) -> None:
-    from coopstudy.record import schema
-
     done = cli(store, "bench", "arms", "--preset", preset, "--arm", "control", "--updates", str(updates))
     checks.expect(done.returncode == 0, f"{preset}: control arm on CUDA ran {updates} updates (bench arms)")
     if done.returncode != 0:
@@ -138,7 +142,7 @@ def check_control(store: Path, preset: str, updates: int, checks: Checks) -> Non
                                   tracking_uri=f"sqlite:///{store / 'mlflow.db'}")  # fmt: skip
         summary = json.loads(Path(path).read_text())
     checks.expect(summary["device"].startswith("cuda"), f"{preset}: trained on {summary['device']}")
-    checks.expect(summary["allocator"] == "expandable_segments:True", f"{preset}: allocator {summary['allocator']}")
+    checks.expect(summary["allocator"] == EXPANDABLE, f"{preset}: allocator {summary['allocator']}")
     allocated, reserved = m.get(schema.M_CUDA_MAX_ALLOCATED_MB, 0.0), m.get(schema.M_CUDA_MAX_RESERVED_MB, 0.0)
     checks.expect(0 < allocated <= reserved, f"{preset}: CUDA memory in the record, max allocated {allocated:,.0f} MiB <= reserved {reserved:,.0f} MiB")
     (parent,) = _runs(store, f"bench-arms-{preset}")[1]
@@ -165,8 +169,8 @@ def check_probe(store: Path, checks: Checks) -> None:
     print(f"  receipts: {outcomes}")
     fits = [r for r in receipts.values() if r.get("setting", {}).get("microbatch") == 4]
     held = [r for r in receipts.values() if r.get("setting", {}).get("microbatch") == 8]
-    checks.expect(bool(fits) and fits[0]["outcome"] == "completed", "tiny: control microbatch 4 completed")
-    checks.expect(bool(held) and held[0]["outcome"] == "out_of_memory",
+    checks.expect(bool(fits) and fits[0]["outcome"] == schema.OUTCOME_COMPLETED, "tiny: control microbatch 4 completed")
+    checks.expect(bool(held) and held[0]["outcome"] == schema.OUTCOME_OUT_OF_MEMORY,
                   "tiny: control microbatch 8 on a 16 MiB device (set_per_process_memory_fraction) ended out_of_memory")  # fmt: skip
     if held:
         text = json.dumps(held[0])
@@ -196,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.skip_cpu_preset else f" and prepare/bench arms of {CPU_PRESET}") + " in a store of its own.")  # fmt: skip
         return 1 if checks.failures else 0
 
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE)
     print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     print("1. packed microbatches against each document alone, on CUDA", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -206,15 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         checks.expect(loss < loss_bound and grads < grad_bound,
                       f"{precision}: loss rel. error {loss:.1e} (< {loss_bound:g}), worst gradient {grads:.1e} (< {grad_bound:g})")  # fmt: skip
 
-    from coopstudy import workspace
-
     # The user's study home (COOPSTUDY_HOME, or the project's .coopstudy): its seed conversion, and room for this store.
     store = args.keep or workspace.home() / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
     store.mkdir(parents=True, exist_ok=True)
-    seeds = workspace.home() / "seeds"
-    if seeds.is_dir() and not (store / "home" / "seeds").exists():
+    seeds = workspace.home() / SEEDS
+    if seeds.is_dir() and not (store / "home" / SEEDS).exists():
         (store / "home").mkdir(parents=True, exist_ok=True)
-        shutil.copytree(seeds, store / "home" / "seeds")
+        shutil.copytree(seeds, store / "home" / SEEDS)
     print(f"2. tiny: prepare, verify, probe with a held device (store {store})", flush=True)
     ready = cli(store, "prepare", "--preset", "tiny").returncode == 0
     ready = ready and cli(store, "verify", "--preset", "tiny").returncode == 0

@@ -1,8 +1,9 @@
 """The source files whose bytes a commitment binds, derived from the tree.
 
-The numerical sources (the protocol's: objective, batching, update, the
-distributed step and the gate that checks them) are every module of
-`coopstudy/numerics/`: a file added there is bound without a list to edit.
+The numerical sources are every module of `coopstudy/numerics/`: the
+protocol's objective, batching, update and distributed step, the gate that
+checks them, and what they compute with (flops, onednn); a file added there
+is bound without a list to edit.
 Names are relative to the package, e.g. `numerics/objective.py`. The gate
 receipt binds them.
 

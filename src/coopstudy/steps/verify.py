@@ -10,7 +10,7 @@ from typing import Any
 
 from coopstudy import ui
 from coopstudy.commit import ledger as ledger_mod
-from coopstudy.commit import sources
+from coopstudy.commit import receipts, sources
 from coopstudy.config import Config
 from coopstudy.record import schema, writer
 from coopstudy.run import lock
@@ -65,8 +65,6 @@ def _table(summary: list[dict[str, Any]], tolerance: float):
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-
-    from coopstudy.commit import receipts, sources
     from coopstudy.numerics import gate
 
     # Wide enough for the table when output goes to a file or a pipe (80 columns by default).
