@@ -259,6 +259,9 @@ def test_dry_run_refuses_a_family_as_prepare_does(cli, override, said):
         (("report", "--plan", "xyz"), "--plan 'xyz': expected the plan's sha256 (64 hex digits, or the first 12 or more)"),
         # Passed under --dry-run, then refused by the step as "File exists".
         (("report", "--out", "/dev/null"), "report folder /dev/null: cannot make it (a file is there, not a folder)"),
+        # Before, each passed --dry-run and prepare refused it.
+        (("prepare", "--set", "data.replay_source=/nonexistent/x.jsonl"), "data.replay_source: /nonexistent/x.jsonl does not exist"),
+        (("prepare", "--set", "model.source=gguf-package", "model.gguf_package=nosuchpkg"), "model.gguf_package: package 'nosuchpkg' is not installed"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else "",
 )

@@ -321,6 +321,8 @@ def test_options_before_the_command_are_one_line_saying_where_they_go(cli, argv,
         (("remote", "--experiment", "x", "check"), "remote: error: options go after the remote command: `python -m coopstudy remote check --experiment x`"),
         # No benchmark named at all: argparse said `tiny` was no benchmark.
         (("bench", "--preset", "tiny", "--dry-run"), "bench: error: name the bench command first: `python -m coopstudy bench {objective,arms,generate} --preset tiny --dry-run`"),
+        # Before, it offered `bench {objective,arms,generate} --version`, which every benchmark refuses.
+        (("bench", "--version"), "bench: error: unrecognized arguments: --version (bench takes a command first, one of objective, arms, generate: see `python -m coopstudy bench --help`)"),
         # It pointed at `remote --help`, which does not list check's options.
         (("remote", "check", "extra"), "remote check: error: unrecognized arguments: extra (see `python -m coopstudy remote check --help`)"),
     ],
@@ -343,8 +345,11 @@ def test_every_help_says_where_the_files_and_the_runs_go(cli):
     "argv, line",
     [
         (("remote",), "coopstudy remote: error: the following arguments are required: COMMAND (see `python -m coopstudy remote --help`)"),
+        # Before, on a local store, "not a server; nothing to check" and exit 0, whatever the name.
+        (("remote", "check", "--experiment", "Default"),
+         "coopstudy remote check: error: --experiment 'Default': Default is MLflow's own experiment, where `mlflow run` puts its pointer runs; name the study's own"),
     ],
-    ids=["remote without its command"],
+    ids=["remote without its command", "remote check of a name no step takes, on a local store"],
 )
 def test_a_tool_given_too_little_is_one_line(cli, argv, line):
     done = cli(*argv)

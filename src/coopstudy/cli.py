@@ -73,7 +73,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default=DEFAULT_PRESET,
         help=f"configs/<preset>.yaml or a path to a YAML file (default: {DEFAULT_PRESET}; "
-        f"available: {', '.join(config_mod.preset_names())})",
+        f"available: {', '.join(config_mod.preset_names()) or 'none here: run from the project, or give a path'})",
     )
     parser.add_argument(
         "--set",
@@ -291,11 +291,11 @@ def _typed(args: argparse.Namespace) -> list[str]:
     return [w for w in (args.step, *(getattr(args, dest, None) for dest in SUBCOMMAND_DESTS)) if w]
 
 
-def _subcommands(parser: argparse.ArgumentParser, command: str) -> list[str]:
-    """The subcommands of `command` (bench's, remote's), or none."""
+def _subcommands(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands of `command` (bench's, remote's) and their parsers, or none."""
     steps = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     inner = steps.choices[command]._actions if command in steps.choices else []
-    return [name for a in inner if isinstance(a, argparse._SubParsersAction) for name in a.choices]
+    return {name: sub for a in inner if isinstance(a, argparse._SubParsersAction) for name, sub in a.choices.items()}
 
 
 def _options_before_the_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
@@ -303,12 +303,16 @@ def _options_before_the_subcommand(parser: argparse.ArgumentParser, argv: list[s
     objective` (argparse would take `tiny` for the benchmark)."""
     if len(argv) < 2 or not argv[1].startswith("-") or argv[1] in ("-h", "--help"):
         return None
-    names = _subcommands(parser, argv[0])
-    if not names:
+    subparsers = _subcommands(parser, argv[0])
+    if not subparsers:
         return None
+    names = list(subparsers)
     subcommand = next((a for a in argv[2:] if a in names), None)
     if subcommand is None:
         # None at all (argparse would take `--preset tiny`'s `tiny` for one, and say it is no benchmark).
+        option = argv[1].split("=", 1)[0]
+        if not any(option in sub._option_string_actions for sub in subparsers.values()):
+            return f"unrecognized arguments: {shlex.join(argv[1:])} ({argv[0]} takes a command first, one of {', '.join(names)}: see `python -m coopstudy {argv[0]} --help`)"
         return f"name the {argv[0]} command first: `python -m coopstudy {argv[0]} {{{','.join(names)}}} {shlex.join(argv[1:])}`"
     at = argv.index(subcommand, 2)
     return f"options go after the {argv[0]} command: `python -m coopstudy {shlex.join([argv[0], subcommand, *argv[1:at], *argv[at + 1 :]])}`"

@@ -100,6 +100,20 @@ def describe_source(source: str) -> str:
     return source if source in NAMED_SOURCES else f"file {source}"
 
 
+def check_source(source: str) -> None:
+    """A UserError where `source` is a path that cannot be an export: the
+    checks that read nothing, which a dry run makes too."""
+    if source in NAMED_SOURCES:
+        return
+    path = Path(source).expanduser()
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise UserError(f"data.replay_source: {str(path)!r} is none of {', '.join(NAMED_SOURCES)} or a .jsonl or .parquet file")
+    if path.is_dir():
+        raise UserError(f"data.replay_source: {path} is a folder, not a file")
+    if not path.is_file():
+        raise UserError(f"data.replay_source: {path} does not exist")
+
+
 def load_pool(source: str, needed: int) -> Pool:
     """At least `needed` distinct conversations from `source`, or a UserError."""
     if source == CHITCHAT:
@@ -452,12 +466,7 @@ def _rows(path: Path) -> list[tuple[str, Any]]:
 
 
 def _file_pool(path: Path) -> Pool:
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise UserError(f"data.replay_source: {str(path)!r} is none of {', '.join(NAMED_SOURCES)} or a .jsonl or .parquet file")
-    if path.is_dir():
-        raise UserError(f"data.replay_source: {path} is a folder, not a file")
-    if not path.is_file():
-        raise UserError(f"data.replay_source: {path} does not exist")
+    check_source(str(path))
     try:
         rows = _rows(path)
     except UnicodeDecodeError:

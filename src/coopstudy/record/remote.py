@@ -188,15 +188,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.command == "check":
-        uri = store.tracking_uri()
-        if not store.is_http(uri):
-            print(f"tracking URI {uri} is not a server; nothing to check")
-            return 0
         experiment = args.experiment if args.experiment is not None else store.chosen_experiment() or store.DEFAULT_EXPERIMENT
         try:
             config_mod.check_experiment(experiment)
         except ValueError as err:
             raise UserError(f"--experiment {experiment!r}: {err}") from None
+        uri = store.tracking_uri()
+        if not store.is_http(uri):
+            print(f"tracking URI {uri} is not a server; nothing to check")
+            return 0
         exp_id = preflight(uri, experiment)
         print(f"tracking server {uri} answers; experiment {experiment!r} (id {exp_id}) takes writes")
         return 0

@@ -9,8 +9,8 @@ from coopstudy import ui, workspace
 from coopstudy.commit import ledger
 from coopstudy.config import Config
 from coopstudy.errors import UserError, labelled
-from coopstudy.inputs import data, tasks
-from coopstudy.inputs.seed import remake_hint, resolve_seed
+from coopstudy.inputs import conversations, data, tasks
+from coopstudy.inputs.seed import gguf_path, remake_hint, resolve_seed
 from coopstudy.record import schema, writer
 
 HELP = "resolve the seed model; generate, tokenize, schedule and hash the inputs; commit them"
@@ -37,6 +37,14 @@ Reads:  the preset (model.*, data.*, train.updates, train.global_batch); the
 Writes: the folder above; the manifest's sha256 in the ledger (kind `inputs`),
         which every later step requires; an MLflow run: the config, the files
         as dataset inputs, the manifest, timings and the seed's sha256."""
+
+def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
+    """What prepare refuses before any work, without reading: a replay export
+    that is not there, a GGUF package that is not installed (a dry run's checks)."""
+    conversations.check_source(cfg.data.replay_source)
+    if cfg.model.source == "gguf-package":
+        gguf_path(cfg.model)
+
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
     started = time.perf_counter()
