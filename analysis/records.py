@@ -154,7 +154,8 @@ class Records:
     attempt stays evidence: a speed screen is not rerun until it passes unseen."""
     elsewhere: pd.DataFrame = field(default_factory=pd.DataFrame)
     """One row per train run of the same preset outside the study (under another
-    plan, else another config), whatever its status, oldest first: arm, run_id,
+    plan, else another config) that trained, finished or not (a refusal trained
+    nothing and is left out), oldest first: arm, run_id,
     status, study (its plan sha, else its config sha), cost_usd (NaN when not
     logged). Never timed here, but named: a study that trained again under a new
     plan (a changed source or setting) does not hide the attempts before it."""
@@ -340,10 +341,13 @@ def _attempts(experiment: str, key: StudyKey, plan_sha: str | None, timed: dict[
 
 
 def _elsewhere(experiment: str, preset: str, key: StudyKey, plan_sha: str | None) -> pd.DataFrame:
-    """Every train run of `preset` outside the study (see Records.elsewhere)."""
+    """Every train run of `preset` outside the study that trained (see Records.elsewhere)."""
     tag, value = (schema.TAG_PLAN, plan_sha) if plan_sha else (key.tag, key.value)
+    # A run without the tag is left out by `!=`: a train run names its plan once it has read it, so one
+    # without a plan was refused before (the device lock, a changed commitment) and trained nothing.
     # The preset is read from the tags, not put in the filter: it is a file's name.
-    found = store.search_runs(experiment, f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}'", order_by=("attributes.start_time ASC",))
+    flt = f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_TRAIN}' and tags.`{tag}` != '{value}'"
+    found = store.search_runs(experiment, flt, order_by=("attributes.start_time ASC",))
     rows = [
         {
             "arm": run.data.tags.get(schema.TAG_ARM), "run_id": run.info.run_id, "status": run.info.status,
@@ -351,7 +355,8 @@ def _elsewhere(experiment: str, preset: str, key: StudyKey, plan_sha: str | None
             "cost_usd": run.data.metrics.get(schema.M_COST_USD, float("nan")),
         }
         for run in found
-        if run.data.tags.get(schema.TAG_PRESET) == preset and run.data.tags.get(schema.TAG_ARM) in ARMS and run.data.tags.get(tag) != value
+        if run.data.tags.get(schema.TAG_PRESET) == preset and run.data.tags.get(schema.TAG_ARM) in ARMS
+        and run.data.tags.get(schema.TAG_ERROR_KIND) != RefusedError.__name__  # refused under its plan: trained nothing
     ]  # fmt: skip
     return pd.DataFrame(rows, columns=["arm", "run_id", "status", "study", "cost_usd"])
 

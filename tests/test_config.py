@@ -3,6 +3,8 @@ with one line and exit 2."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -104,9 +106,9 @@ def test_overrides_are_typed():
         ("train.lr=1:2.5", "YAML reads '1:2.5' as 62.5"),
         (("train.lr=1e-4", "train.lr=2e-4"), "override 'train.lr=2e-4': train.lr is given twice (first 'train.lr=1e-4')"),
         # Before, a traceback from MLflow's store (a surrogate cannot be encoded), or an experiment named so.
-        ('experiment="\\udcff"', "experiment: a name with a character that is not printable text (got '\\udcff')"),
-        ('experiment="a\\nb"', "experiment: a name with a character that is not printable text (got 'a\\nb')"),
-        ('experiment="a\\0b"', "experiment: a name with a character that is not printable text"),
+        ('experiment="\\udcff"', "experiment: a name with a control character, a line break or bytes that are not UTF-8 (got '\\udcff')"),
+        ('experiment="a\\nb"', "experiment: a name with a control character, a line break or bytes that are not UTF-8 (got 'a\\nb')"),
+        ('experiment="a\\0b"', "experiment: a name with a control character, a line break or bytes that are not UTF-8"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -120,6 +122,9 @@ def test_bad_values_name_the_key(override, key):
 def test_what_yaml_reads_as_the_value_shown_is_taken():
     cfg = config.load("tiny", ["train.updates=1_000", 'experiment="run #3"', "data.families=[gcd, products]", "train.lr=0.5e-3"])
     assert (cfg.train.updates, cfg.experiment, cfg.data.families) == (1000, "run #3", ("gcd", "products"))
+    # Names in any script, spaces and joined emoji included: only control characters and line breaks are refused.
+    for name in ("実験\u30001", "team\u00a0a", "team 👩\u200d💻"):
+        assert config.load("tiny", [f"experiment={json.dumps(name, ensure_ascii=False)}"]).experiment == name
 
 
 def test_a_list_item_read_as_a_number_gets_no_set_form_for_its_place():

@@ -755,6 +755,11 @@ def test_train_runs_of_another_plan_are_not_this_studys_attempts_but_are_named(c
     other = _train(tiny, "compressed", active=10.0, complete=20.0, plan="cd" * 32)
     with pytest.raises(RuntimeError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control", tags={schema.TAG_PLAN: "ef" * 32}):
         raise RuntimeError("rank 0 died")
+    # Refusals trained nothing: one under another plan, one before any plan was read (this study's config).
+    with pytest.raises(RefusedError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control", tags={schema.TAG_PLAN: "ef" * 32}):
+        raise RefusedError("arm control finished under plan efefefefefef: an arm trains once per plan")
+    with pytest.raises(UserError), writer.stage_run(schema.STAGE_TRAIN, tiny, arm="control"):
+        raise UserError("the device is held by another job")
     recs = records.load(tiny)
     assert recs.plan == PLAN and other not in set(recs.attempts["run_id"])
     assert sorted(recs.attempts["run_id"]) == sorted([ids["train/control"], ids["train/compressed"]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 import shlex
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -573,10 +574,10 @@ def check_name(value: str) -> str:
         raise ValueError("an empty name")
     if value != value.strip():
         raise ValueError("a name with spaces at its ends")
-    if not value.isprintable():
+    if any(unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") for c in value):
         # A newline or NUL would split or end the name in MLflow's store; a lone surrogate
         # (bytes that are not UTF-8, as the shell passed them) cannot be stored at all.
-        raise ValueError("a name with a character that is not printable text")
+        raise ValueError("a name with a control character, a line break or bytes that are not UTF-8")
     return value
 
 

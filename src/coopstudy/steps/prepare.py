@@ -40,8 +40,10 @@ Writes: the folder above; the manifest's sha256 in the ledger (kind `inputs`),
 
 def check_arguments(cfg: Config, args: argparse.Namespace) -> None:
     """What prepare refuses before any work, without reading: a replay export
-    that is not there, a GGUF package that is not installed (a dry run's checks)."""
-    conversations.check_source(cfg.data.replay_source)
+    that is not there, a GGUF package that is not installed (a dry run's checks).
+    The export only while no inputs are committed: a study that reuses them never reads it."""
+    if not ledger.Ledger().latest(ledger.INPUTS, data.inputs_key(cfg)):
+        conversations.check_source(cfg.data.replay_source)
     if cfg.model.source == "gguf-package":
         gguf_path(cfg.model)
 
