@@ -409,7 +409,7 @@ def test_a_server_outage_as_the_ranks_exit_leaves_the_finished_arm_finished(caps
 
     cfg = config.load("tiny", ["experiment=outage-as-the-ranks-exit"])
     with writer.stage_run(schema.STAGE_TRAIN, cfg, arm="control") as rec, pytest.MonkeyPatch.context() as mp:
-        kept = workspace.home() / workspace.CHECKPOINTS / rec.run_id
+        kept = workspace.checkpoint_folder(rec.run_id)
 
         def ranks_finished(cmd, env, *, label, held=None):
             if left_one:

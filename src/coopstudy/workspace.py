@@ -71,6 +71,12 @@ def subdir(*parts: str) -> Path:
     return path
 
 
+def checkpoint_folder(run_id: str, *, make: bool = False) -> Path:
+    """`<home>/checkpoints/<run id>/`, where train run `run_id`'s rank 0 keeps its
+    final checkpoint (made when `make`, as the rank that saves it does)."""
+    return subdir(CHECKPOINTS, run_id) if make else home() / CHECKPOINTS / run_id
+
+
 def write_text(path: Path, text: str) -> None:
     """`text` as the whole of `path`, or the file as it was: written under a
     temporary name and renamed over it, so a full disk or an interrupt never

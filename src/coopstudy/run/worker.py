@@ -208,7 +208,7 @@ def train(
             # After the last update: outside the window.
             pending.close()
             if save and ctx.is_main:
-                saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.subdir(workspace.CHECKPOINTS, run_id))
+                saved = checkpoint.save(lm, AutoTokenizer.from_pretrained(seed.path), workspace.checkpoint_folder(run_id, make=True))
             memory = _gather_peak_memory(ctx)
             times_by_rank = _gather_times(ctx, times)
             new_memory_by_rank = distributed.gather_floats(new_memory, ctx)

@@ -222,7 +222,7 @@ def train_arm(
             raise
         # Exit 0: rank 0 recorded its checkpoint, delivered or kept in the outbox; the
         # folder it verified stands for the record here (where rank 0 ran on this host).
-        kept = workspace.home() / workspace.CHECKPOINTS / rec.run_id
+        kept = workspace.checkpoint_folder(rec.run_id)
         if not kept.is_dir():
             raise TrainingFailed(
                 f"{arm} arm: the processes exited cleanly, but no checkpoint is at {kept}, and the tracking server, "
