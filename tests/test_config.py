@@ -105,6 +105,10 @@ def test_overrides_are_typed():
         ("experiment=1:2", "YAML reads '1:2' as 62"),
         ("train.lr=1:2.5", "YAML reads '1:2.5' as 62.5"),
         (("train.lr=1e-4", "train.lr=2e-4"), "override 'train.lr=2e-4': train.lr is given twice (first 'train.lr=1e-4')"),
+        # Before, "Input should be a valid string" and nothing on how to write it, or YAML's own words alone.
+        ("experiment=~", "experiment: Input should be a valid string (got None); YAML read it as null: put it in quotes to mean text"),
+        ("experiment=lr: 1e-4", "experiment: Input should be a valid string; YAML read it as a mapping: put it in quotes to mean text"),
+        ("experiment==", "override 'experiment==': could not determine a constructor for the tag 'tag:yaml.org,2002:value'; put the value in quotes to mean text"),
         # Before, a traceback from MLflow's store (a surrogate cannot be encoded), or an experiment named so.
         ('experiment="\\udcff"', "experiment: a name with a control character, a line break or bytes that are not UTF-8 (got '\\udcff')"),
         ('experiment="a\\nb"', "experiment: a name with a control character, a line break or bytes that are not UTF-8 (got 'a\\nb')"),

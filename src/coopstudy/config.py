@@ -433,7 +433,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.load(raw, Loader=_OnceEach) if raw.strip() else ""
     except yaml.constructor.ConstructorError as err:
-        raise ConfigError(f"override {item!r}: {err.problem}") from None
+        # A key named twice in a {mapping} says so (_OnceEach); anything else is YAML syntax the value did not mean.
+        twice = "given twice" in str(err.problem)
+        raise ConfigError(f"override {item!r}: {err.problem}{'' if twice else '; put the value in quotes to mean text'}") from None
     except yaml.YAMLError as err:
         if raw.lstrip()[:1] in ("[", "{"):
             # A list or mapping left open: taken as text, it was said as "should be a valid tuple".
@@ -510,11 +512,14 @@ def _describe(err: ValidationError) -> str:
         return msg if not loc else f"{loc}.{msg}"
     given = first.get("input")
     shown = f" (got {given!r})" if not isinstance(given, dict) else ""
-    if first["type"] == "string_type" and isinstance(given, (int, float, bool)):
-        # YAML read `--set experiment=123` as a number; only quotes that
-        # reach YAML make it text (the value as typed is gone by now). A
-        # list item's place is no key --set takes.
-        kind = "true/false" if isinstance(given, bool) else "a number"
+    if first["type"] == "string_type" and (given is None or isinstance(given, (int, float, bool, dict, list))):
+        # YAML read `--set experiment=123` as a number (`~` as null, `a: b` as a
+        # mapping, `-` as a list); only quotes that reach YAML make it text (the
+        # value as typed is gone by now). A list item's place is no key --set takes.
+        kind = (
+            "null" if given is None else "true/false" if isinstance(given, bool) else "a mapping" if isinstance(given, dict)
+            else "a list" if isinstance(given, list) else "a number"
+        )  # fmt: skip
         shown += f"; YAML read it as {kind}: put it in quotes to mean text"
         if all(isinstance(p, str) for p in first["loc"]) and loc != "preset":  # --set takes no preset
             shown += f" (with --set, inside the shell's word: --set '{loc}=\"...\"')"
