@@ -52,6 +52,7 @@ from fixtures import LONG, ROOT, Store, checkout_copy, fill_disk, run_cli, run_w
 from coopstudy import cli, config, workspace
 from coopstudy.commit import ledger, plan, receipts, sources
 from coopstudy.inputs import data
+from coopstudy.inputs.seed import SEEDS
 from coopstudy.record import schema
 from coopstudy.record import store as mlflow_store
 from coopstudy.run import launch
@@ -270,6 +271,14 @@ def _checkpoint_after_select(store: Store, tmp: Path) -> Tampered:
     )
 
 
+def _seed_after_select(store: Store, tmp: Path) -> Tampered:
+    # Before, evaluate scored whatever seed was on disk, its hash the tag; the report then found
+    # no evaluation of the seed the arms trained from, after every model's minutes.
+    (weights,) = (store.home / SEEDS).glob(f"*/{workspace.WEIGHTS_FILE}")  # the copy's own
+    _flip(weights)
+    return Tampered((f"seed weights {weights.parent} hash to", "the prepared inputs were made from"), f"delete {weights.parent} to have the seed made again")
+
+
 def _selection(store: Store, tmp: Path) -> Tampered:
     raws = _raw_lines(store)
     control = next(r for r in raws if r["kind"] == ledger.CANDIDATE and r["details"]["arm"] == "control")
@@ -348,6 +357,7 @@ TAMPER = {
     "checkpoint before select (one byte)": ("trained", ("select", "--preset", "tiny"), _checkpoint_before_select),
     "checkpoint after select (one byte)": ("selected", ("evaluate", "--preset", "tiny"), _checkpoint_after_select),
     "candidate selection (rewritten, valid chain)": ("selected", ("evaluate", "--preset", "tiny"), _selection),
+    "seed weights after select (one byte)": ("selected", ("evaluate", "--preset", "tiny"), _seed_after_select),
     "ledger line edited": ("planned", TRAIN_CONTROL, _ledger_edited),
     "ledger line deleted": ("planned", TRAIN_CONTROL, _ledger_deleted),
     "ledger lines reordered": ("planned", TRAIN_CONTROL, _ledger_reordered),

@@ -14,7 +14,7 @@ from coopstudy.commit import plan as planning
 from coopstudy.config import ARMS, Config
 from coopstudy.errors import RefusedError
 from coopstudy.inputs import data
-from coopstudy.inputs.seed import Seed, resolve_seed
+from coopstudy.inputs.seed import Seed, remake_hint, resolve_seed
 from coopstudy.record import schema
 
 
@@ -37,7 +37,7 @@ def seeded_inputs(cfg: Config) -> tuple[data.Prepared, Seed]:
     if seed.sha256 != made_from:
         raise RefusedError(
             f"seed weights {seed.path} hash to {seed.sha256[:12]}, the prepared inputs were made from {made_from[:12]}",
-            hint=f"run `python -m coopstudy prepare {cfg.arguments}` again",
+            hint=remake_hint(seed.path) or f"run `python -m coopstudy prepare {cfg.arguments}` again",
         )
     return prepared, seed
 

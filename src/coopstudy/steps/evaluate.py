@@ -15,7 +15,6 @@ from coopstudy.commit import budget, candidates, ledger, plan, require
 from coopstudy.config import Config
 from coopstudy.errors import RefusedError, UserError
 from coopstudy.inputs import data
-from coopstudy.inputs.seed import resolve_seed
 from coopstudy.record import outbox, schema, store, writer
 from coopstudy.run import lock
 
@@ -87,12 +86,13 @@ def _score_all(cfg: Config, rec: writer.Recorder, held: lock.Held) -> dict[str, 
         {schema.TAG_CANDIDATE_PREFIX + arm: c.sha256 for arm, c in selection.candidates.items()}
         | {schema.TAG_SELECT_RUN: selection.select_run_id}
     )
-    prepared = require.inputs(cfg)
+    # The seed scored is the one the inputs were made from (and the arms trained from), or a refusal
+    # before any scoring: a hub model updated since, or a seed folder edited, is another model.
+    prepared, seed = require.seeded_inputs(cfg)
     if not prepared.test:
         raise UserError(f"the final test set in {prepared.folder} is empty; nothing to score")
     if not prepared.retention:
         raise UserError(f"the retention probes in {prepared.folder} are empty; nothing to score")
-    seed = resolve_seed(cfg)
     models = {schema.MODEL_NAME_SEED: (seed.path, seed.sha256)} | {
         arm: (c.path, c.sha256) for arm, c in selection.candidates.items()
     }
