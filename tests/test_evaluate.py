@@ -4,6 +4,7 @@ per-document computation, and the evaluate step on the tiny preset."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from dataclasses import dataclass
@@ -145,6 +146,16 @@ def _plain_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.inference_mode():
         seq = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return seq[0, len(prompt) :].tolist()
+
+
+def test_a_tokenizer_whose_eos_is_its_unk_still_stops_on_it(tokenizer):
+    # A base model's tokenizer (SmolLM2-1.7B's): eos, unk and bos are one <|endoftext|>.
+    # Before, its eos was dropped with the unk an unknown <|im_end|> looks up as.
+    assert scoring.stop_ids(tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = base.unk_token
+    assert base.eos_token_id == base.unk_token_id
+    assert scoring.stop_ids(base) == sorted([base.unk_token_id, base.convert_tokens_to_ids("<|im_end|>")])
 
 
 def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model, tokenizer):

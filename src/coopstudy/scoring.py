@@ -207,8 +207,12 @@ def load_model(path: Path, name: str, tokenizer: Any) -> Any:
 
 def stop_ids(tokenizer: Any) -> list[int]:
     """Token ids that end a turn: the tokenizer's eos and ChatML's <|im_end|>."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)}
-    return sorted(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
+    end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    # A tokenizer without <|im_end|> looks it up as its unk. Its eos stays whatever it is: a base
+    # model's (SmolLM2-1.7B's) eos, unk and bos are one <|endoftext|>, and dropped, its seed would
+    # write on past the end of its answer into text whose last number is scored.
+    ids = {tokenizer.eos_token_id, end if end != tokenizer.unk_token_id else None}
+    return sorted(i for i in ids if isinstance(i, int))
 
 
 def padding_id(tokenizer: Any) -> int:
