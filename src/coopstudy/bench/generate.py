@@ -23,9 +23,9 @@ def generation_cases(cfg: Config, items: int) -> list[dict]:
     here invites a choice made on the questions the study is judged by. As even
     over the families as `items` allows, the first families taking one more."""
     d = cfg.data
-    tasks.check_development_seed(d, d.families, DEV_SEED)
     share, extra = divmod(items, len(d.families))
     wanted = {fam: share + (pos < extra) for pos, fam in enumerate(d.families)}
+    tasks.check_development_seed(d, d.families, DEV_SEED, per_family=max(wanted.values()))  # the draw it makes
     training = {t.question for t in tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, d.family_options)}
     draw = tasks.generate_final(d.families, max(wanted.values()), DEV_SEED, training, d.family_options)
     out = []

@@ -105,9 +105,10 @@ DEV_SEED = 5_000_000
 presets' training (1,000+) and final-test (9,000,000+) seed ranges."""
 
 
-def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_seed: int) -> None:
+def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_seed: int, per_family: int | None = None) -> None:
     """Refuse a development split (`dev-split`: the final test of `dev_seed`
-    over `families`) whose seed ranges meet the preset's training or final
+    over `families`, `per_family` cases each, by default the preset's
+    test_per_family) whose seed ranges meet the preset's training or final
     test: it would score, or choose by, the study's own questions. The
     refusal names the first seed, in steps of half a family's range, that
     meets neither."""
@@ -121,7 +122,7 @@ def check_development_seed(cfg_data: DataConfig, families: Sequence[str], dev_se
     fixed = study + [r for r in own if r[0] not in starts] + final
 
     def ranges(seed: int) -> list[tuple[int, int, str]]:
-        return fixed + _ranges(families, seed, final_budget(cfg_data.test_per_family), "the development split's")
+        return fixed + _ranges(families, seed, final_budget(per_family or cfg_data.test_per_family), "the development split's")
 
     said = _overlap(ranges(dev_seed))
     if said:
