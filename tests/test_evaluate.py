@@ -171,6 +171,18 @@ def test_batched_generation_gives_the_same_tokens_as_one_prompt_at_a_time(model,
     assert all(len(g.tokens) == 12 and not g.finished for g in alone)
 
 
+def test_a_generation_config_beside_the_weights_does_not_change_how_a_model_is_decoded(tiny_seed_home, tokenizer, tmp_path):
+    # Before, generate() took what its settings left unset from the folder's generation_config.json:
+    # a file the weights' hash does not cover decided one model's answers.
+    (seed_dir,) = (tiny_seed_home / "seeds").glob("random-*")
+    tuned = shutil.copytree(seed_dir, tmp_path / "tuned")
+    (tuned / "generation_config.json").write_text(json.dumps({"no_repeat_ngram_size": 1, "repetition_penalty": 5.0, "min_new_tokens": 12}))
+    prompts = _prompts(tokenizer)[:6]
+    common = {"max_new_tokens": 12, "batch_size": 3, "stop": scoring.stop_ids(tokenizer), "pad_id": scoring.padding_id(tokenizer)}
+    plain = scoring.generate(scoring.load_model(seed_dir, "seed", tokenizer), prompts, **common)
+    assert scoring.generate(scoring.load_model(tuned, "tuned", tokenizer), prompts, **common) == plain
+
+
 def test_the_shared_prefix_leaves_every_prompt_a_token_of_its_own():
     assert scoring.shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
     assert scoring.shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2

@@ -176,7 +176,7 @@ def load_model(path: Path, name: str, tokenizer: Any) -> Any:
     """The model in fp32 on the evaluation device; a UserError for anything
     missing, unreadable or too small for its tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from coopstudy.numerics import onednn
 
@@ -199,6 +199,10 @@ def load_model(path: Path, name: str, tokenizer: Any) -> Any:
             f"{name}: the model embeds {model.get_input_embeddings().num_embeddings} tokens, "
             f"its tokenizer has {len(tokenizer)}"
         )
+    # generate() fills what its settings leave unset from the model's own generation_config.json
+    # (a repetition penalty, a minimum length): a file beside the hashed weights would decide how
+    # one model is decoded. Every model is decoded by generate()'s settings alone.
+    model.generation_config = GenerationConfig()
     model = model.to(device).eval()
     if device == "cpu":
         onednn.route_linears(model)
