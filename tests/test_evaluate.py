@@ -508,7 +508,7 @@ def test_evaluate_refuses_an_empty_test_set(planned, monkeypatch, capsys, tmp_pa
     # it), so the step is given one.
     monkeypatch.setattr(require, "selection", lambda cfg, plan_sha, book: candidates.Selection({}, "run0"))
     empty = data.Prepared(folder=tmp_path, digest="0" * 64, train=[], retention=[], test=[], schedule=[], manifest={})
-    monkeypatch.setattr(require, "inputs", lambda cfg: empty)
+    monkeypatch.setattr(require, "seeded_inputs", lambda cfg: (empty, None))  # refused before the seed is used
     assert cli.main(["evaluate", "--preset", "tiny"]) == 2
     assert f"the final test set in {tmp_path} is empty" in capsys.readouterr().err
     assert "is empty" in _failed_evaluate_error()
