@@ -201,6 +201,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tracking server {uri} answers; experiment {experiment!r} (id {exp_id}) takes writes")
         return 0
     store.use_http_defaults()
+    if args.tracking_uri is not None:
+        store.client(args.tracking_uri, "--tracking-uri")  # a URI no store opens is refused, whether or not records wait
     done = deliver_all(args.run_ids, args.tracking_uri)
     left = {run: why for run, (why, _) in done.items() if why is not None}
     if left:
