@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from coopstudy import config, devsplit
-from coopstudy.inputs import tasks
+from coopstudy.inputs import data, tasks
 from coopstudy.record import schema, store
 
 
@@ -30,9 +30,13 @@ def _retention(folder: Path) -> tuple[set[str], set[str]]:
     return ids, set(json.loads((folder / "manifest.json").read_text())["split"]["retention_topics"])
 
 
+NARROW_GCD = "data.family_options={gcd: {min_value: 1, max_value: 5}}"
+"""gcd over 25 questions: the development seed's draw repeats 2 of the final test's 4 (ranges apart are not questions apart)."""
+
+
 def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prepared_tiny, cli):
     final = {p.name for p in (prepared_tiny.home / "prepared").iterdir()}
-    done = cli("dev-split", "--preset", "tiny", "--families", "gcd", "chain_sum", "--lrs", "1e-3", "3e-2", "--updates", "2")
+    done = cli("dev-split", "--preset", "tiny", "--families", "gcd", "chain_sum", "--lrs", "1e-3", "3e-2", "--updates", "2", "--set", NARROW_GCD)
     assert done.returncode == 0, done.stderr[-3000:]
     for text in ("development split: ", "test seed 5,000,000", "seed: accuracy ", "lr 0.03: accuracy ", "retention bound (nats)", "rule: "):
         assert text in done.stdout, text
@@ -58,6 +62,9 @@ def test_dev_split_scores_the_seed_and_each_rate_on_a_split_of_its_own_seed(prep
     (final_folder,) = final
     dev_questions = _questions(prepared_tiny.home / "prepared" / dev)
     assert dev_questions and not set(dev_questions) & set(_questions(prepared_tiny.home / "prepared" / final_folder))
+    # Nor a question of the final test this config's prepare makes (before, 2 of its gcd cases were).
+    narrow = config.load("tiny", [NARROW_GCD])
+    assert len(dev_questions) == 2 * narrow.data.test_per_family and not set(dev_questions) & data.final_test_questions(narrow)
     # Its retention probes are its own, from other topics than the final ones
     # (before, the rate was chosen by the retention screen on the final probes).
     probes = {name: _retention(prepared_tiny.home / "prepared" / name) for name in (dev, final_folder)}

@@ -6,11 +6,13 @@
 The development split is the final test of another seed: the preset's data
 with data.families = --families and data.test_seed = --dev-seed, built as
 `prepare` builds it (inputs.data.build: the same task documents and
-schedule, questions seen in training dropped; tasks.check_development_seed
-refuses a seed whose range meets the preset's training, its own or the
-final test), with replay and retention probes drawn as `prepare` draws them
-from the conversations less every topic of the final retention probes
-(_development_pool). Nothing of the final test or the final probes is read.
+schedule, questions seen in training or in the study's final test dropped;
+tasks.check_development_seed refuses a seed whose range meets the preset's
+training, its own or the final test), with replay and retention probes
+drawn as `prepare` draws them from the conversations less every topic of
+the final retention probes (_development_pool). Nothing of the final test
+or the final probes is read or scored: the final test's questions are drawn
+again only to be left out.
 The seed is scored on it (scoring.score_model: every family's accuracy, the
 retention NLL), then, for each learning rate, one control-arm training from
 the seed (one process, numerics.update.worker_update over the preset's
@@ -50,8 +52,9 @@ DESCRIPTION = f"""\
 Chooses families and the learning rate on a development split, never on the
 final test. The split is built as `prepare` builds the final test, from the
 preset's data with data.families = --families and data.test_seed =
---dev-seed (questions seen in training dropped); a seed whose questions could
-meet the preset's training, its own training or the final test is refused.
+--dev-seed (questions seen in training or in the final test dropped); a seed
+whose ranges could meet the preset's training, its own training or the final
+test is refused.
 Its replay and retention probes come from the conversations less every topic
 of the final retention probes. Nothing of the final test or of the final
 probes is read.
@@ -231,7 +234,9 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         seed = resolve_seed(dev)
         tokenizer = scoring.load_tokenizer(seed.path, "seed")
         start = time.perf_counter()
-        built = data.build(dev, tokenizer, seed, ui.track, pool=pool)
+        # Seed ranges apart keep the families' draws apart, not their questions: a family with few
+        # distinct ones (gcd up to 5) repeats final-test questions in the split, which would choose by them.
+        built = data.build(dev, tokenizer, seed, ui.track, pool=pool, withheld=data.final_test_questions(cfg))
         folder, _ = data.write_prepared(built)
         prepared = data.load_folder(folder, built.digest)
         console.print(

@@ -273,15 +273,28 @@ def conversation_pool(cfg: Config) -> conversations.Pool:
     return conversations.load_pool(cfg.data.replay_source, cfg.data.replay_docs + cfg.data.retention_docs)
 
 
-def build(cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked, pool: conversations.Pool | None = None) -> Built:
+def final_test_questions(cfg: Config) -> frozenset[str]:
+    """The questions of the final test `prepare` makes of `cfg`, drawn as build draws them (nothing tokenized)."""
+    d = cfg.data
+    training = {t.question for t in tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, d.family_options)}
+    return frozenset(t.question for t in tasks.generate_final(d.families, d.test_per_family, d.test_seed, training, d.family_options).tasks)
+
+
+def build(
+    cfg: Config, tokenizer: Any, seed: Seed, track: Track = _untracked, pool: conversations.Pool | None = None,
+    withheld: frozenset[str] = frozenset(),
+) -> Built:
     """Generate, tokenize, weigh, truncate and schedule; nothing is written.
-    `pool`: conversation_pool(cfg), when the caller has loaded it already."""
+    `pool`: conversation_pool(cfg), when the caller has loaded it already.
+    `withheld`: questions the test must not hold besides training's (a
+    development split's: the study's final test, which seed ranges apart do
+    not keep out of a family with few distinct questions)."""
     d = cfg.data
     tasks.check_seed_ranges(d.families, d.generation_seed, d.tasks_per_family, d.test_seed, d.test_per_family)
     options = cfg.data.family_options
     train_tasks = tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, options)
     training_questions = {t.question for t in train_tasks}
-    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions, options)
+    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions | withheld, options)
 
     pool = pool or conversation_pool(cfg)
     retention_convs, replay_convs, split = split_conversations(pool, d.retention_docs, d.replay_docs, d.replay_seed)
