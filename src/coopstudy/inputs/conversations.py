@@ -121,6 +121,7 @@ def load_pool(source: str, needed: int) -> Pool:
     elif source == PYDOC:
         pool = _pydoc_pool(needed)
     else:
+        check_source(source)
         pool = _file_pool(Path(source).expanduser())
     if len(pool.conversations) < needed:
         raise UserError(
@@ -466,7 +467,6 @@ def _rows(path: Path) -> list[tuple[str, Any]]:
 
 
 def _file_pool(path: Path) -> Pool:
-    check_source(str(path))
     try:
         rows = _rows(path)
     except UnicodeDecodeError:

@@ -273,11 +273,19 @@ def conversation_pool(cfg: Config) -> conversations.Pool:
     return conversations.load_pool(cfg.data.replay_source, cfg.data.replay_docs + cfg.data.retention_docs)
 
 
-def final_test_questions(cfg: Config) -> frozenset[str]:
-    """The questions of the final test `prepare` makes of `cfg`, drawn as build draws them (nothing tokenized)."""
+def _draw(cfg: Config, withheld: frozenset[str] = frozenset()) -> tuple[list[tasks.Task], set[str], tasks.FinalDraw]:
+    """The training tasks of `cfg`, their questions, and the final test drawn
+    without them (nor `withheld`): what build tokenizes, and nothing else."""
     d = cfg.data
-    training = {t.question for t in tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, d.family_options)}
-    return frozenset(t.question for t in tasks.generate_final(d.families, d.test_per_family, d.test_seed, training, d.family_options).tasks)
+    train_tasks = tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, d.family_options)
+    training_questions = {t.question for t in train_tasks}
+    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions | withheld, d.family_options)
+    return train_tasks, training_questions, final
+
+
+def final_test_questions(cfg: Config) -> frozenset[str]:
+    """The questions of the final test `prepare` makes of `cfg` (nothing tokenized)."""
+    return frozenset(t.question for t in _draw(cfg)[2].tasks)
 
 
 def build(
@@ -291,10 +299,7 @@ def build(
     not keep out of a family with few distinct questions)."""
     d = cfg.data
     tasks.check_seed_ranges(d.families, d.generation_seed, d.tasks_per_family, d.test_seed, d.test_per_family)
-    options = cfg.data.family_options
-    train_tasks = tasks.generate_training(d.families, d.tasks_per_family, d.generation_seed, options)
-    training_questions = {t.question for t in train_tasks}
-    final = tasks.generate_final(d.families, d.test_per_family, d.test_seed, training_questions | withheld, options)
+    train_tasks, training_questions, final = _draw(cfg, withheld)
 
     pool = pool or conversation_pool(cfg)
     retention_convs, replay_convs, split = split_conversations(pool, d.retention_docs, d.replay_docs, d.replay_seed)

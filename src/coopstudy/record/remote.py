@@ -107,6 +107,8 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[s
     """Deliver waiting outboxes (all of them without run ids) to the server each record was
     written for, or to `uri`; run id -> (why records still wait, None when none does;
     how many records the server refused)."""
+    # One client for --tracking-uri, made first: a URI no store opens is refused whether or not records wait.
+    given = store.client(uri, "--tracking-uri") if uri else None
     paths = [outbox_file(r) for r in run_ids] if run_ids else sorted(outbox_dir().glob(outbox_file().name))
     done: dict[str, tuple[str | None, int]] = {}
     for path in paths:
@@ -121,8 +123,7 @@ def deliver_all(run_ids: list[str], uri: str | None = None) -> dict[str, tuple[s
             continue
         # This command says itself whether the server answered.
         Outbox._warned.add(path)
-        where = "--tracking-uri" if uri else f"the records in {path}"
-        box = Outbox(path.stem, target, store.client(target, where))
+        box = Outbox(path.stem, target, given or store.client(target, f"the records in {path}"))
         done[path.stem] = (None if box.deliver(full_waits=True) else box.waits_for, box.refused)
     return done
 
@@ -201,8 +202,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"tracking server {uri} answers; experiment {experiment!r} (id {exp_id}) takes writes")
         return 0
     store.use_http_defaults()
-    if args.tracking_uri is not None:
-        store.client(args.tracking_uri, "--tracking-uri")  # a URI no store opens is refused, whether or not records wait
     done = deliver_all(args.run_ids, args.tracking_uri)
     left = {run: why for run, (why, _) in done.items() if why is not None}
     if left:
